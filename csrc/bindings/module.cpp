@@ -1,0 +1,221 @@
+// The one pybind11 file: check shapes and dtypes once, allocate outputs, release the GIL around the work, and turn
+// C++ errors into Python exceptions (std::invalid_argument -> ValueError, IndexFormatError -> certrag's
+// IndexFormatError, a ValueError subclass). No algorithm lives here.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <sstream>
+#include <thread>
+
+#include "certrag/distance.h"
+#include "certrag/hnsw.h"
+
+namespace py = pybind11;
+using certrag::HnswIndex;
+
+namespace {
+
+using FloatArray = py::array_t<float, py::array::c_style>;
+using LabelArray = py::array_t<std::int64_t, py::array::c_style>;
+
+std::string shape_text(const py::array& a) {
+  std::ostringstream s;
+  s << "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+  s << (a.ndim() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+// Requires a C-contiguous float32 array of shape (n, dim); returns n.
+std::size_t check_matrix(const py::array& a, const char* name, std::size_t dim) {
+  if (!py::isinstance<FloatArray>(a) || !(a.flags() & py::array::c_style) || a.ndim() != 2 ||
+      static_cast<std::size_t>(a.shape(1)) != dim) {
+    std::ostringstream s;
+    s << name << " must be a C-contiguous float32 array of shape (n, " << dim << "); got " << py::str(a.dtype()).cast<std::string>()
+      << " of shape " << shape_text(a);
+    throw py::value_error(s.str());
+  }
+  return static_cast<std::size_t>(a.shape(0));
+}
+
+std::size_t check_labels(const py::array& a, const char* name, std::size_t n) {
+  if (!py::isinstance<LabelArray>(a) || !(a.flags() & py::array::c_style) || a.ndim() != 1 ||
+      (n != static_cast<std::size_t>(-1) && static_cast<std::size_t>(a.shape(0)) != n)) {
+    std::ostringstream s;
+    s << name << " must be a C-contiguous int64 array of shape (" << (n == static_cast<std::size_t>(-1) ? std::string("n") : std::to_string(n))
+      << ",); got " << py::str(a.dtype()).cast<std::string>() << " of shape " << shape_text(a);
+    throw py::value_error(s.str());
+  }
+  return static_cast<std::size_t>(a.shape(0));
+}
+
+certrag::Metric parse_metric(const std::string& name) {
+  if (name == "ip") return certrag::Metric::ip;
+  if (name == "l2") return certrag::Metric::l2;
+  if (name == "cosine") return certrag::Metric::cosine;
+  throw py::value_error("metric must be 'ip', 'l2' or 'cosine'; got '" + name + "'");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "certrag's native core: HNSW index and distance kernels";
+
+  static py::exception<certrag::IndexFormatError> format_error(m, "IndexFormatError", PyExc_ValueError);
+
+  m.def("build_info", []() {
+    py::dict info;
+#if defined(__clang__)
+    info["compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+    info["compiler"] = std::string("gcc ") + __VERSION__;
+#else
+    info["compiler"] = "unknown";
+#endif
+    info["cxx_standard"] = static_cast<long>(__cplusplus);
+    info["simd_compiled"] = certrag::simd_levels_compiled();
+    info["simd_active"] = certrag::simd_level_name(certrag::distance_kernels().level);
+    info["threads"] = "std::thread";
+    info["hardware_concurrency"] = std::thread::hardware_concurrency();
+#ifdef NDEBUG
+    info["build_type"] = "release";
+#else
+    info["build_type"] = "debug";
+#endif
+    info["index_format_version"] = HnswIndex::kFormatVersion;
+    return info;
+  });
+
+  m.def(
+      "distance",
+      [](const py::array& a, const py::array& b, const std::string& kind, const std::string& level) {
+        const std::size_t dim = a.ndim() == 2 ? static_cast<std::size_t>(a.shape(1)) : 0;
+        const std::size_t n = check_matrix(a, "a", dim);
+        if (check_matrix(b, "b", dim) != n) throw py::value_error("a and b must have the same shape");
+        certrag::SimdLevel lv = certrag::SimdLevel::scalar;
+        if (level == "avx2") lv = certrag::SimdLevel::avx2;
+        else if (level == "avx512") lv = certrag::SimdLevel::avx512;
+        else if (level != "scalar") throw py::value_error("level must be scalar, avx2 or avx512");
+        if (!certrag::cpu_supports(lv)) throw py::value_error("this CPU does not support " + level);
+        const auto k = certrag::distance_kernels_for(lv);
+        if (kind != "dot" && kind != "l2sq") throw py::value_error("kind must be 'dot' or 'l2sq'");
+        auto fn = kind == "dot" ? k.dot : k.l2sq;
+        py::array_t<float> out(static_cast<py::ssize_t>(n));
+        const float* pa = static_cast<const float*>(a.data());
+        const float* pb = static_cast<const float*>(b.data());
+        float* po = out.mutable_data();
+        for (std::size_t i = 0; i < n; ++i) po[i] = fn(pa + i * dim, pb + i * dim, dim);
+        return out;
+      },
+      py::arg("a"), py::arg("b"), py::arg("kind"), py::arg("level"),
+      "Row-wise dot or squared L2 with the kernel of one SIMD level (for tests).");
+
+  py::class_<HnswIndex>(m, "HnswIndex")
+      .def(py::init([](std::uint32_t dim, const std::string& metric, std::uint32_t M, std::uint32_t ef_construction,
+                       std::uint64_t seed) {
+             certrag::HnswConfig c;
+             c.dim = dim;
+             c.metric = parse_metric(metric);
+             c.M = M;
+             c.ef_construction = ef_construction;
+             c.seed = seed;
+             const std::string problem = c.validate();
+             if (!problem.empty()) throw py::value_error(problem);
+             return std::make_unique<HnswIndex>(c);
+           }),
+           py::arg("dim"), py::arg("metric"), py::arg("M"), py::arg("ef_construction"), py::arg("seed"))
+      .def("add",
+           [](HnswIndex& self, const py::array& vectors, const py::array& labels, int num_threads) {
+             const std::size_t n = check_matrix(vectors, "vectors", self.config().dim);
+             check_labels(labels, "ids", n);
+             const float* v = static_cast<const float*>(vectors.data());
+             const auto* l = static_cast<const std::int64_t*>(labels.data());
+             py::gil_scoped_release release;
+             self.add(n, v, l, num_threads);
+           })
+      .def("search",
+           [](const HnswIndex& self, const py::array& queries, std::size_t k, std::size_t ef, int num_threads) {
+             const std::size_t n = check_matrix(queries, "queries", self.config().dim);
+             if (k < 1) throw py::value_error("k must be at least 1");
+             LabelArray ids({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(k)});
+             FloatArray scores({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(k)});
+             const float* q = static_cast<const float*>(queries.data());
+             std::int64_t* pi = ids.mutable_data();
+             float* ps = scores.mutable_data();
+             {
+               py::gil_scoped_release release;
+               self.search(n, q, k, ef, num_threads, pi, ps);
+             }
+             return py::make_tuple(ids, scores);
+           })
+      .def("remove",
+           [](HnswIndex& self, const py::array& labels) {
+             const std::size_t n = check_labels(labels, "ids", static_cast<std::size_t>(-1));
+             const auto* l = static_cast<const std::int64_t*>(labels.data());
+             py::gil_scoped_release release;
+             return self.remove(n, l);
+           })
+      .def("get_vectors",
+           [](const HnswIndex& self, const py::array& labels) {
+             const std::size_t n = check_labels(labels, "ids", static_cast<std::size_t>(-1));
+             FloatArray out({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(self.config().dim)});
+             const auto* l = static_cast<const std::int64_t*>(labels.data());
+             float* po = out.mutable_data();
+             {
+               py::gil_scoped_release release;
+               self.get_vectors(n, l, po);
+             }
+             return out;
+           })
+      .def("contains", &HnswIndex::contains)
+      .def("size", &HnswIndex::size)
+      .def("max_label", &HnswIndex::max_label)
+      .def("labels",
+           [](const HnswIndex& self) {
+             std::vector<std::int64_t> labels;
+             {
+               py::gil_scoped_release release;
+               labels = self.labels();
+             }
+             LabelArray out(static_cast<py::ssize_t>(labels.size()));
+             std::copy(labels.begin(), labels.end(), out.mutable_data());
+             return out;
+           })
+      .def_property_readonly("dim", [](const HnswIndex& self) { return self.config().dim; })
+      .def_property_readonly("metric", [](const HnswIndex& self) { return certrag::metric_name(self.config().metric); })
+      .def_property_readonly("M", [](const HnswIndex& self) { return self.config().M; })
+      .def_property_readonly("ef_construction", [](const HnswIndex& self) { return self.config().ef_construction; })
+      .def_property_readonly("seed", [](const HnswIndex& self) { return self.config().seed; })
+      .def("stats",
+           [](const HnswIndex& self) {
+             certrag::HnswStats s;
+             {
+               py::gil_scoped_release release;
+               s = self.stats();
+             }
+             py::dict d;
+             d["nodes"] = s.nodes;
+             d["live"] = s.live;
+             d["deleted"] = s.deleted;
+             d["capacity"] = s.capacity;
+             d["max_level"] = s.max_level;
+             d["nodes_per_level"] = s.nodes_per_level;
+             d["mean_degree_level0"] = s.mean_degree_level0;
+             d["memory_bytes"] = s.memory_bytes;
+             d["mmapped"] = s.mmapped;
+             return d;
+           })
+      .def("save",
+           [](const HnswIndex& self, const std::string& path) {
+             py::gil_scoped_release release;
+             self.save(path);
+           })
+      .def_static(
+          "load",
+          [](const std::string& path, bool use_mmap) {
+            py::gil_scoped_release release;
+            return HnswIndex::load(path, use_mmap);
+          },
+          py::arg("path"), py::arg("mmap"));
+}
