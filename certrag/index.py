@@ -155,10 +155,19 @@ class HnswIndex:
 
         ef is the breadth of the search (default max(k, 64)); larger is slower and more exact.
         """
-        queries = _as_matrix(queries, "queries", self.dim)
-        k = _positive_int(k, "k")
-        ef = max(k, DEFAULT_EF) if ef is None else _positive_int(ef, "ef")
-        num_threads = _positive_int(num_threads, "num_threads", 0)
+        # The common case (a C-contiguous float32 matrix, plain ints) skips the conversions: on a single query they
+        # would cost a third of the search itself. The binding still checks the shape.
+        if not (type(queries) is np.ndarray and queries.dtype == np.float32 and queries.ndim == 2
+                and queries.flags.c_contiguous):
+            queries = _as_matrix(queries, "queries", self.dim)
+        if type(k) is not int or k < 1:
+            k = _positive_int(k, "k")
+        if ef is None:
+            ef = k if k > DEFAULT_EF else DEFAULT_EF
+        elif type(ef) is not int or ef < 1:
+            ef = _positive_int(ef, "ef")
+        if type(num_threads) is not int or num_threads < 0:
+            num_threads = _positive_int(num_threads, "num_threads", 0)
         ids, scores = self._native.search(queries, k, ef, num_threads)
         return SearchResult(ids=ids, scores=scores)
 

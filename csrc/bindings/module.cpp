@@ -62,7 +62,7 @@ certrag::Metric parse_metric(const std::string& name) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "certrag's native core: HNSW index and distance kernels";
 
-  static py::exception<certrag::IndexFormatError> format_error(m, "IndexFormatError", PyExc_ValueError);
+  py::register_exception<certrag::IndexFormatError>(m, "IndexFormatError", PyExc_ValueError);
 
   m.def("build_info", []() {
     py::dict info;

@@ -1,0 +1,278 @@
+"""Native HNSW index against hnswlib, faiss (IndexHNSWFlat), usearch and exact numpy search.
+
+Reproduces the kind of comparison in Malkov & Yashunin (2018), Fig. 10-11 and ann-benchmarks: recall@10 against
+throughput over a sweep of the search breadth ef, at equal M and ef_construction, plus build time and single-query
+latency. Each library runs in its own subprocess, pinned to the same CPUs, on the same vectors and queries:
+
+- certrag.HnswIndex (this build: no -march=native, run-time SIMD dispatch)
+- hnswlib as pip builds it (from source with -march=native: what users get) and built with HNSWLIB_NO_NATIVE=1
+- faiss-cpu IndexHNSWFlat with SearchParametersHNSW(efSearch) per call
+- usearch Index (expansion_search set per sweep point)
+- numpy exact search (matmul + argpartition): the recall oracle and the brute-force baseline
+
+Data: clustered, normalised, low-intrinsic-dimension vectors shaped like sentence embeddings (certrag.datasets);
+uniform random vectors make every HNSW look broken (recall ~0.42 even at ef=512).
+
+    python benchmarks/bench_index.py                  # 100k x 384, 1000 queries, 2 threads
+    python benchmarks/bench_index.py --n 20000 --libs certrag,hnswlib   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+LIBS = ["certrag", "hnswlib", "hnswlib-nonative", "faiss", "usearch", "numpy"]
+NONNATIVE_DIR = _common.DATA_DIR / "hnswlib_nonative"
+
+
+def ensure_nonnative_hnswlib() -> Path:
+    """Builds hnswlib from source with HNSWLIB_NO_NATIVE=1 into a private folder, once."""
+    if not any(NONNATIVE_DIR.glob("hnswlib*.so")):
+        version = __import__("importlib.metadata").metadata.version("hnswlib")
+        env = dict(os.environ, HNSWLIB_NO_NATIVE="1")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-binary", "hnswlib", "--no-deps",
+                        "--no-cache-dir", "--target", str(NONNATIVE_DIR), f"hnswlib=={version}"], env=env, check=True)
+    return NONNATIVE_DIR
+
+
+# ----------------------------------------------------------------------------------------------------------- worker
+
+class Adapter:
+    def __init__(self, lib, dim, M, efc, threads):
+        self.lib, self.dim, self.M, self.efc, self.threads = lib, dim, M, efc, threads
+
+    def build(self, base):
+        import numpy as np
+
+        lib = self.lib
+        if lib == "certrag":
+            import certrag
+
+            self.index = certrag.HnswIndex(self.dim, "ip", self.M, self.efc)
+            self.index.add(base, num_threads=self.threads)
+        elif lib.startswith("hnswlib"):
+            import hnswlib
+
+            self.index = hnswlib.Index(space="ip", dim=self.dim)
+            self.index.init_index(max_elements=len(base), M=self.M, ef_construction=self.efc, random_seed=0)
+            self.index.set_num_threads(self.threads)
+            self.index.add_items(base, np.arange(len(base)))
+        elif lib == "faiss":
+            import faiss
+
+            faiss.omp_set_num_threads(self.threads)
+            self.index = faiss.IndexHNSWFlat(self.dim, self.M, faiss.METRIC_INNER_PRODUCT)
+            self.index.hnsw.efConstruction = self.efc
+            self.index.add(base)
+        elif lib == "usearch":
+            from usearch.index import Index
+
+            self.index = Index(ndim=self.dim, metric="ip", dtype="f32", connectivity=self.M,
+                               expansion_add=self.efc, expansion_search=64)
+            self.index.add(np.arange(len(base)), base, threads=self.threads)
+        elif lib == "numpy":
+            self.base = base
+        else:
+            raise ValueError(f"unknown library {lib}")
+
+    def search(self, queries, k, ef, threads):
+        """Returns int64 ids (n, k)."""
+        import numpy as np
+
+        lib = self.lib
+        if lib == "certrag":
+            return self.index.search(queries, k, ef=ef, num_threads=threads).ids
+        if lib.startswith("hnswlib"):
+            self.index.set_ef(ef)
+            return self.index.knn_query(queries, k=k, num_threads=threads)[0]
+        if lib == "faiss":
+            import faiss
+
+            faiss.omp_set_num_threads(threads)
+            return self.index.search(queries, k, params=faiss.SearchParametersHNSW(efSearch=ef))[1]
+        if lib == "usearch":
+            self.index.expansion_search = ef
+            return self.index.search(queries, k, threads=threads).keys
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(threads):
+            scores = np.atleast_2d(queries) @ self.base.T
+            part = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+            order = np.argsort(-np.take_along_axis(scores, part, axis=1), axis=1)
+            return np.take_along_axis(part, order, axis=1)
+
+
+def run_worker(args) -> None:
+    _common.pin_threads(args.threads)
+    if args.worker == "hnswlib-nonative":
+        sys.path.insert(0, str(NONNATIVE_DIR))
+    import numpy as np
+
+    from certrag.datasets import recall_at_k
+
+    data = np.load(args.data)
+    base, queries, truth = data["base"], data["queries"], data["truth"]
+    k = truth.shape[1]
+    adapter = Adapter(args.worker, base.shape[1], args.M, args.efc, args.threads)
+    t = time.perf_counter()
+    adapter.build(base)
+    build_s = time.perf_counter() - t
+    efs = [0] if args.worker == "numpy" else args.efs
+    rows = []
+    single = queries[: args.single_queries]
+    for ef in efs:
+        ids = adapter.search(queries, k, ef, args.threads)
+        recall = recall_at_k(np.asarray(ids), truth)
+        batch_s = _common.median_time(lambda: adapter.search(queries, k, ef, args.threads), args.repeats)
+        for q in single[:50]:  # warm-up
+            adapter.search(q[None, :], k, ef, 1)
+        lat = []
+        for q in single:
+            q2 = q[None, :]
+            t = time.perf_counter()
+            adapter.search(q2, k, ef, 1)
+            lat.append(time.perf_counter() - t)
+        rows.append({"what": "hnsw_search", "library": args.worker, "baseline": "hnswlib",
+                     "params": {"n": len(base), "dim": base.shape[1], "M": args.M, "ef_construction": args.efc,
+                                "ef": ef or None, "k": k, "threads": args.threads, "queries": len(queries)},
+                     "build_s": build_s, "recall_at_10": recall, "batch_qps": len(queries) / batch_s,
+                     **_common.percentiles_ms(lat)})
+    print(json.dumps(rows))
+
+
+# ------------------------------------------------------------------------------------------------------------- main
+
+def prepare_data(n, dim, n_queries, k, seed) -> Path:
+    import numpy as np
+
+    from certrag.datasets import clustered_vectors, exact_search
+
+    path = _common.DATA_DIR / f"index_{n}_{dim}_{n_queries}_{seed}.npz"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        base, queries = clustered_vectors(n, dim, n_queries=n_queries, seed=seed)
+        truth, _ = exact_search(base, queries, k)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, base=base, queries=queries, truth=truth)
+        tmp.replace(path)
+    return path
+
+
+def summarise(rows, args) -> str:
+    by_lib: dict[str, list[dict]] = {}
+    for r in rows:
+        by_lib.setdefault(r["library"], []).append(r)
+    m = rows[0]["params"]
+    lines = [f"### HNSW index (bench_index.py)\n",
+             f"{m['n']:,} clustered unit vectors of dimension {m['dim']} (certrag.datasets), {m['queries']} queries, "
+             f"recall@10 against exact search, M={m['M']}, ef_construction={m['ef_construction']}, "
+             f"{m['threads']} threads for build and batch search, 1 thread per single query; batch time is the "
+             f"median of {args.repeats} runs after a warm-up; single-query latency over {args.single_queries} "
+             f"queries.\n"]
+    lines.append("Build time:\n")
+    lines.append(_common.markdown_table(
+        ["library", "build s", "ratio to hnswlib"],
+        [[lib, rs[0]["build_s"], rs[0]["build_s"] / by_lib["hnswlib"][0]["build_s"] if "hnswlib" in by_lib else ""]
+         for lib, rs in by_lib.items()]))
+    lines.append("\nSweep over ef (recall@10 / batch QPS / single-query p50 ms / p99 ms):\n")
+    table = []
+    for lib, rs in by_lib.items():
+        for r in rs:
+            table.append([lib, r["params"]["ef"] or "exact", r["recall_at_10"], r["batch_qps"], r["p50_ms"],
+                          r["p99_ms"]])
+    lines.append(_common.markdown_table(["library", "ef", "recall@10", "batch QPS", "p50 ms", "p99 ms"], table))
+
+    target = 0.95
+    lines.append(f"\nOperating point: the smallest ef that reaches recall@10 >= {target} for each library, and "
+                 f"certrag's ratio against it (QPS ratio = certrag / other; p50 ratio = other / certrag; >= 1.0 "
+                 f"means certrag is no worse):\n")
+    ops = {}
+    for lib, rs in by_lib.items():
+        ok = [r for r in rs if r["recall_at_10"] >= target]
+        if ok:
+            ops[lib] = min(ok, key=lambda r: r["params"]["ef"] or 0)
+    op_rows = []
+    mine = ops.get("certrag")
+    for lib, r in ops.items():
+        op_rows.append([lib, r["params"]["ef"] or "exact", r["recall_at_10"], r["batch_qps"], r["p50_ms"],
+                        (mine["batch_qps"] / r["batch_qps"]) if mine else "",
+                        (r["p50_ms"] / mine["p50_ms"]) if mine else ""])
+    lines.append(_common.markdown_table(
+        ["library", "ef", "recall@10", "batch QPS", "p50 ms", "certrag QPS ratio", "certrag p50 ratio"], op_rows))
+    if mine and "hnswlib" in by_lib:
+        same_ef = {r["params"]["ef"]: r for r in by_lib["hnswlib"]}
+        eq = [[r["params"]["ef"], r["recall_at_10"], same_ef[r["params"]["ef"]]["recall_at_10"],
+               r["batch_qps"] / same_ef[r["params"]["ef"]]["batch_qps"],
+               same_ef[r["params"]["ef"]]["p50_ms"] / r["p50_ms"]]
+              for r in by_lib["certrag"] if r["params"]["ef"] in same_ef]
+        lines.append("\ncertrag against hnswlib (native build) at equal ef:\n")
+        lines.append(_common.markdown_table(
+            ["ef", "certrag recall", "hnswlib recall", "QPS ratio", "p50 ratio"], eq))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--queries", type=int, default=1000)
+    p.add_argument("--single-queries", type=int, default=1000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--M", type=int, default=16)
+    p.add_argument("--efc", type=int, default=200)
+    p.add_argument("--efs", type=lambda s: [int(x) for x in s.split(",")], default=[16, 24, 32, 48, 64, 96, 128, 256])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--libs", default=",".join(LIBS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-write", action="store_true", help="print the table without touching results files")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+
+    libs = args.libs.split(",")
+    unknown = set(libs) - set(LIBS)
+    if unknown:
+        p.error(f"--libs: unknown {sorted(unknown)}; choose from {LIBS}")
+    if "hnswlib-nonative" in libs:
+        ensure_nonnative_hnswlib()
+    data = prepare_data(args.n, args.dim, args.queries, 10, args.seed)
+    rows = []
+    for lib in libs:
+        cmd = [sys.executable, __file__, "--worker", lib, "--data", str(data), "--threads", str(args.threads),
+               "--M", str(args.M), "--efc", str(args.efc), "--efs", ",".join(map(str, args.efs)),
+               "--repeats", str(args.repeats), "--single-queries", str(args.single_queries)]
+        print(f"[bench_index] {lib} ...", file=sys.stderr, flush=True)
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SystemExit(f"{lib} worker failed:\n{out.stderr[-3000:]}")
+        lib_rows = json.loads(out.stdout.strip().splitlines()[-1])
+        for r in lib_rows:
+            print(f"  ef={r['params']['ef']} recall={r['recall_at_10']:.4f} qps={r['batch_qps']:.0f} "
+                  f"p50={r['p50_ms']:.3f}ms build={r['build_s']:.1f}s", file=sys.stderr)
+        rows += lib_rows
+    meta = _common.meta({"bench": "bench_index"})
+    text = summarise(rows, args)
+    text += (f"\n\nMachine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; commit {meta['commit']}; "
+             f"{meta['date']}.\nCommand: `{meta['command']}`\n")
+    print(text)
+    if not args.no_write:
+        for r in rows:
+            r.update(machine=meta["machine"], commit=meta["commit"])
+        _common.write_rows("bench_index", rows, meta)
+        _common.update_results_md("bench_index", text)
+
+
+if __name__ == "__main__":
+    main()
