@@ -10,6 +10,7 @@
 
 #include "certrag/distance.h"
 #include "certrag/hnsw.h"
+#include "certrag/pair_scorer.h"
 
 namespace py = pybind11;
 using certrag::HnswIndex;
@@ -48,6 +49,25 @@ std::size_t check_labels(const py::array& a, const char* name, std::size_t n) {
     throw py::value_error(s.str());
   }
   return static_cast<std::size_t>(a.shape(0));
+}
+
+certrag::SimdLevel parse_level(const std::string& level) {
+  if (level == "scalar") return certrag::SimdLevel::scalar;
+  if (level == "avx2") return certrag::SimdLevel::avx2;
+  if (level == "avx512") return certrag::SimdLevel::avx512;
+  if (level == "auto") return certrag::distance_kernels().level;
+  throw py::value_error("level must be 'auto', 'scalar', 'avx2' or 'avx512'; got '" + level + "'");
+}
+
+std::size_t check_vector(const py::array& a, const char* name, std::size_t n) {
+  if (!py::isinstance<FloatArray>(a) || !(a.flags() & py::array::c_style) || a.ndim() != 1 ||
+      static_cast<std::size_t>(a.shape(0)) != n) {
+    std::ostringstream s;
+    s << name << " must be a C-contiguous float32 array of shape (" << n << ",); got "
+      << py::str(a.dtype()).cast<std::string>() << " of shape " << shape_text(a);
+    throw py::value_error(s.str());
+  }
+  return n;
 }
 
 certrag::Metric parse_metric(const std::string& name) {
@@ -110,6 +130,48 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("a"), py::arg("b"), py::arg("kind"), py::arg("level"),
       "Row-wise dot or squared L2 with the kernel of one SIMD level (for tests).");
+
+  py::class_<certrag::PairScorer>(m, "PairScorer")
+      .def(py::init([](const py::array& w1, const py::array& b1, const py::array& w2, float b2,
+                       const std::string& level) {
+             if (!py::isinstance<FloatArray>(w1) || !(w1.flags() & py::array::c_style) || w1.ndim() != 2 ||
+                 w1.shape(1) % 4 != 0 || w1.shape(1) == 0)
+               throw py::value_error("w1 must be a C-contiguous float32 array of shape (hidden, 4 * dim); got " +
+                                     py::str(w1.dtype()).cast<std::string>() + " of shape " + shape_text(w1));
+             const auto hidden = static_cast<std::size_t>(w1.shape(0));
+             check_vector(b1, "b1", hidden);
+             check_vector(w2, "w2", hidden);
+             certrag::PairHeadWeights w;
+             w.dim = static_cast<std::uint32_t>(w1.shape(1) / 4);
+             w.hidden = static_cast<std::uint32_t>(hidden);
+             w.w1 = static_cast<const float*>(w1.data());
+             w.b1 = static_cast<const float*>(b1.data());
+             w.w2 = static_cast<const float*>(w2.data());
+             w.b2 = b2;
+             const std::string problem = w.validate();
+             if (!problem.empty()) throw py::value_error(problem);
+             const auto lv = parse_level(level);
+             if (!certrag::cpu_supports(lv)) throw py::value_error("this CPU does not support " + level);
+             return std::make_unique<certrag::PairScorer>(w, lv);
+           }),
+           py::arg("w1"), py::arg("b1"), py::arg("w2"), py::arg("b2"), py::arg("level") = "auto")
+      .def(
+          "score_adjacent",
+          [](const certrag::PairScorer& self, const py::array& x, int num_threads) {
+            const std::size_t n = check_matrix(x, "embeddings", self.dim());
+            FloatArray out(static_cast<py::ssize_t>(n > 0 ? n - 1 : 0));
+            const float* px = static_cast<const float*>(x.data());
+            float* po = out.mutable_data();
+            {
+              py::gil_scoped_release release;
+              self.score_adjacent(n, px, po, num_threads);
+            }
+            return out;
+          },
+          py::arg("embeddings"), py::arg("num_threads") = 0)
+      .def_property_readonly("dim", &certrag::PairScorer::dim)
+      .def_property_readonly("hidden", &certrag::PairScorer::hidden)
+      .def_property_readonly("level", [](const certrag::PairScorer& self) { return certrag::simd_level_name(self.level()); });
 
   py::class_<HnswIndex>(m, "HnswIndex")
       .def(py::init([](std::uint32_t dim, const std::string& metric, std::uint32_t M, std::uint32_t ef_construction,

@@ -1,0 +1,257 @@
+#include "certrag/pair_scorer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+
+#include "certrag/parallel.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define CERTRAG_X86 1
+#include <immintrin.h>
+#endif
+
+namespace certrag {
+namespace {
+
+constexpr std::uint32_t kMaxDim = 65536;
+constexpr std::uint32_t kMaxHidden = 65536;
+
+inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+}  // namespace
+
+std::string PairHeadWeights::validate() const {
+  if (dim < 1 || dim > kMaxDim) return "dim must be between 1 and " + std::to_string(kMaxDim);
+  if (hidden < 1 || hidden > kMaxHidden) return "hidden must be between 1 and " + std::to_string(kMaxHidden);
+  if (!w1 || !b1 || !w2) return "w1, b1 and w2 are required";
+  const std::size_t n1 = static_cast<std::size_t>(hidden) * 4 * dim;
+  for (std::size_t i = 0; i < n1; ++i)
+    if (!std::isfinite(w1[i])) return "w1 holds a NaN or infinite value";
+  for (std::size_t i = 0; i < hidden; ++i)
+    if (!std::isfinite(b1[i]) || !std::isfinite(w2[i])) return "b1 or w2 holds a NaN or infinite value";
+  if (!std::isfinite(b2)) return "b2 is not finite";
+  return "";
+}
+
+PairScorer::PairScorer(const PairHeadWeights& w, SimdLevel level)
+    : dim_(w.dim), hidden_(w.hidden), level_(level), b2_(w.b2) {
+  const std::string problem = w.validate();
+  if (!problem.empty()) throw std::invalid_argument(problem);
+  if (!cpu_supports(level)) throw std::invalid_argument(std::string("this CPU does not support ") + simd_level_name(level));
+  switch (level_) {
+    case SimdLevel::avx512:
+      mr_ = 8;
+      nr_ = 48;
+      break;
+    case SimdLevel::avx2:
+      mr_ = 4;
+      nr_ = 24;
+      break;
+    default:
+      mr_ = 1;
+      nr_ = 1;
+  }
+  const std::size_t d = dim_, H = hidden_, K = 3 * d;
+  folded_.assign(H * K, 0.f);
+  for (std::size_t h = 0; h < H; ++h) {
+    const float* row = w.w1 + h * 4 * d;
+    float* f = folded_.data() + h * K;
+    for (std::size_t j = 0; j < d; ++j) {
+      f[j] = row[j] + row[2 * d + j];          // Wa + Wc
+      f[d + j] = row[d + j] - row[2 * d + j];  // Wb - Wc
+      f[2 * d + j] = row[3 * d + j];           // Wd
+    }
+  }
+  tiles_ = (H + mr_ - 1) / mr_;
+  b1_.assign(tiles_ * mr_, 0.f);
+  w2_.assign(tiles_ * mr_, 0.f);
+  std::copy(w.b1, w.b1 + H, b1_.begin());
+  std::copy(w.w2, w.w2 + H, w2_.begin());
+  if (level_ != SimdLevel::scalar) {
+    packed_.assign(tiles_ * K * mr_, 0.f);
+    for (std::size_t t = 0; t < tiles_; ++t)
+      for (std::size_t k = 0; k < K; ++k)
+        for (std::size_t r = 0; r < mr_; ++r) {
+          const std::size_t h = t * mr_ + r;
+          packed_[(t * K + k) * mr_ + r] = h < H ? folded_[h * K + k] : 0.f;
+        }
+  }
+}
+
+// Panel layout: K = 3d rows of nr floats. Rows [0, d) hold x_i, rows [d, 2d) hold x_{i+1}, rows [2d, 3d) hold
+// x_i * x_{i+1}, column c for pair first + c; columns past count are zero.
+void PairScorer::pack_panel(const float* x, std::size_t first, std::size_t count, std::size_t nr, float* panel) const {
+  const std::size_t d = dim_;
+  if (count < nr) {
+    for (std::size_t k = 0; k < 3 * d; ++k) std::fill(panel + k * nr + count, panel + (k + 1) * nr, 0.f);
+  }
+  for (std::size_t c = 0; c < count; ++c) {
+    const float* a = x + (first + c) * d;
+    const float* b = a + d;
+    for (std::size_t j = 0; j < d; ++j) {
+      panel[j * nr + c] = a[j];
+      panel[(d + j) * nr + c] = b[j];
+      panel[(2 * d + j) * nr + c] = a[j] * b[j];
+    }
+  }
+}
+
+void PairScorer::run_block_scalar(const float* x, std::size_t first, std::size_t count, float* out) const {
+  const std::size_t d = dim_, K = 3 * d;
+  std::vector<float> f(K);
+  for (std::size_t c = 0; c < count; ++c) {
+    const float* a = x + (first + c) * d;
+    const float* b = a + d;
+    for (std::size_t j = 0; j < d; ++j) {
+      f[j] = a[j];
+      f[d + j] = b[j];
+      f[2 * d + j] = a[j] * b[j];
+    }
+    float logit = b2_;
+    for (std::size_t h = 0; h < hidden_; ++h) {
+      const float* wrow = folded_.data() + h * K;
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+      std::size_t k = 0;
+      for (; k + 4 <= K; k += 4) {
+        s0 += wrow[k] * f[k];
+        s1 += wrow[k + 1] * f[k + 1];
+        s2 += wrow[k + 2] * f[k + 2];
+        s3 += wrow[k + 3] * f[k + 3];
+      }
+      for (; k < K; ++k) s0 += wrow[k] * f[k];
+      const float pre = (s0 + s1) + (s2 + s3) + b1_[h];
+      logit += w2_[h] * std::max(pre, 0.f);
+    }
+    out[c] = sigmoid(logit);
+  }
+}
+
+#ifdef CERTRAG_X86
+
+__attribute__((target("avx512f"))) void PairScorer::run_block_avx512(const float* x, std::size_t first,
+                                                                      std::size_t count, float* panel,
+                                                                      float* out) const {
+  constexpr std::size_t MR = 8, NV = 3, NR = 48;
+  const std::size_t K = 3 * static_cast<std::size_t>(dim_);
+  pack_panel(x, first, count, NR, panel);
+  __m512 logit[NV];
+  for (std::size_t v = 0; v < NV; ++v) logit[v] = _mm512_set1_ps(b2_);
+  for (std::size_t t = 0; t < tiles_; ++t) {
+    const float* w = packed_.data() + t * K * MR;
+    __m512 acc[MR][NV];
+#pragma GCC unroll 8
+    for (std::size_t r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+      for (std::size_t v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    const float* f = panel;
+    for (std::size_t k = 0; k < K; ++k, f += NR, w += MR) {
+      const __m512 f0 = _mm512_loadu_ps(f), f1 = _mm512_loadu_ps(f + 16), f2 = _mm512_loadu_ps(f + 32);
+#pragma GCC unroll 8
+      for (std::size_t r = 0; r < MR; ++r) {
+        const __m512 wr = _mm512_set1_ps(w[r]);
+        acc[r][0] = _mm512_fmadd_ps(wr, f0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(wr, f1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(wr, f2, acc[r][2]);
+      }
+    }
+    const __m512 zero = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (std::size_t r = 0; r < MR; ++r) {
+      const __m512 bias = _mm512_set1_ps(b1_[t * MR + r]);
+      const __m512 out_w = _mm512_set1_ps(w2_[t * MR + r]);
+#pragma GCC unroll 3
+      for (std::size_t v = 0; v < NV; ++v)
+        logit[v] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_add_ps(acc[r][v], bias), zero), out_w, logit[v]);
+    }
+  }
+  alignas(64) float z[NR];
+  for (std::size_t v = 0; v < NV; ++v) _mm512_store_ps(z + 16 * v, logit[v]);
+  for (std::size_t c = 0; c < count; ++c) out[c] = sigmoid(z[c]);
+}
+
+__attribute__((target("avx2,fma"))) void PairScorer::run_block_avx2(const float* x, std::size_t first,
+                                                                    std::size_t count, float* panel,
+                                                                    float* out) const {
+  constexpr std::size_t MR = 4, NV = 3, NR = 24;
+  const std::size_t K = 3 * static_cast<std::size_t>(dim_);
+  pack_panel(x, first, count, NR, panel);
+  __m256 logit[NV];
+  for (std::size_t v = 0; v < NV; ++v) logit[v] = _mm256_set1_ps(b2_);
+  for (std::size_t t = 0; t < tiles_; ++t) {
+    const float* w = packed_.data() + t * K * MR;
+    __m256 acc[MR][NV];
+#pragma GCC unroll 4
+    for (std::size_t r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+      for (std::size_t v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+    const float* f = panel;
+    for (std::size_t k = 0; k < K; ++k, f += NR, w += MR) {
+      const __m256 f0 = _mm256_loadu_ps(f), f1 = _mm256_loadu_ps(f + 8), f2 = _mm256_loadu_ps(f + 16);
+#pragma GCC unroll 4
+      for (std::size_t r = 0; r < MR; ++r) {
+        const __m256 wr = _mm256_broadcast_ss(w + r);
+        acc[r][0] = _mm256_fmadd_ps(wr, f0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(wr, f1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(wr, f2, acc[r][2]);
+      }
+    }
+    const __m256 zero = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (std::size_t r = 0; r < MR; ++r) {
+      const __m256 bias = _mm256_set1_ps(b1_[t * MR + r]);
+      const __m256 out_w = _mm256_set1_ps(w2_[t * MR + r]);
+#pragma GCC unroll 3
+      for (std::size_t v = 0; v < NV; ++v)
+        logit[v] = _mm256_fmadd_ps(_mm256_max_ps(_mm256_add_ps(acc[r][v], bias), zero), out_w, logit[v]);
+    }
+  }
+  alignas(32) float z[NR];
+  for (std::size_t v = 0; v < NV; ++v) _mm256_store_ps(z + 8 * v, logit[v]);
+  for (std::size_t c = 0; c < count; ++c) out[c] = sigmoid(z[c]);
+}
+
+#else
+
+void PairScorer::run_block_avx512(const float*, std::size_t, std::size_t, float*, float*) const {
+  throw std::logic_error("AVX-512 kernel not compiled");
+}
+void PairScorer::run_block_avx2(const float*, std::size_t, std::size_t, float*, float*) const {
+  throw std::logic_error("AVX2 kernel not compiled");
+}
+
+#endif
+
+void PairScorer::score_adjacent(std::size_t n, const float* x, float* out, int num_threads) const {
+  const std::size_t d = dim_;
+  for (std::size_t i = 0; i < n; ++i)
+    for (std::size_t j = 0; j < d; ++j)
+      if (!std::isfinite(x[i * d + j]))
+        throw std::invalid_argument("embeddings[" + std::to_string(i) + "] holds a NaN or infinite value");
+  if (n < 2) return;
+  const std::size_t pairs = n - 1;
+  const std::size_t blocks = (pairs + nr_ - 1) / nr_;
+  const std::size_t panel_floats = 3 * d * nr_;
+  const unsigned workers = workers_for(blocks, num_threads, 1);
+  std::vector<std::unique_ptr<float[]>> panels(workers);
+  if (level_ != SimdLevel::scalar)
+    for (auto& p : panels) p.reset(new float[panel_floats]);
+  parallel_for_workers(blocks, num_threads, 1, [&](std::size_t b, unsigned worker) {
+    float* panel = panels[worker].get();
+    const std::size_t first = b * nr_;
+    const std::size_t count = std::min(nr_, pairs - first);
+    switch (level_) {
+      case SimdLevel::avx512:
+        run_block_avx512(x, first, count, panel, out + first);
+        break;
+      case SimdLevel::avx2:
+        run_block_avx2(x, first, count, panel, out + first);
+        break;
+      default:
+        run_block_scalar(x, first, count, out + first);
+    }
+  });
+}
+
+}  // namespace certrag
