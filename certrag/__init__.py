@@ -11,6 +11,19 @@ __version__ = "0.1.0"
 from certrag.index import HnswIndex, IndexFormatError, SearchResult
 
 
+def __getattr__(name: str):
+    # The segmentation API pulls in the embedder (torch, transformers) only when first used.
+    if name in ("Segmenter", "SegmenterConfig", "SegmenterHead", "Chunk", "Embedder"):
+        if name == "Embedder":
+            from certrag.embed import Embedder
+
+            return Embedder
+        import certrag.segment as segment
+
+        return getattr(segment, name)
+    raise AttributeError(f"module 'certrag' has no attribute {name!r}")
+
+
 def info() -> dict:
     """What this build is: version, compiler, SIMD levels compiled in and active, threading, index format."""
     from certrag import _core
@@ -19,4 +32,5 @@ def info() -> dict:
     return {"version": __version__, **build}
 
 
-__all__ = ["HnswIndex", "IndexFormatError", "SearchResult", "info", "__version__"]
+__all__ = ["Chunk", "Embedder", "HnswIndex", "IndexFormatError", "SearchResult", "Segmenter", "SegmenterConfig",
+           "SegmenterHead", "info", "__version__"]

@@ -1,0 +1,308 @@
+"""Chunkers: SAGE's trained semantic segmenter and the baselines it is measured against, behind one interface.
+
+Every chunker turns a text into a list of Chunk objects whose offsets index the original text
+(``text[c.start:c.end] == c.text``), in order and without overlap; what lies between two chunks is whitespace only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from certrag.segment.sentences import Sentence, split_sentences
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    start: int  # character offset into the original text
+    end: int  # exclusive
+    n_tokens: int  # word-piece tokens of the embedder's tokenizer
+
+
+class Chunker(Protocol):
+    name: str
+
+    def split(self, text: str) -> list[Chunk]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmenterConfig:
+    """Settings of SAGE's semantic segmenter.
+
+    window_tokens: l, the size of the coarse sentence-complete windows scored independently.
+    threshold: split between two sentences where p(same chunk) < threshold.
+    min_tokens / max_tokens: bounds every chunk respects (max_tokens >= 2 * min_tokens, so that any oversized run
+        can be cut into pieces that respect both; only a whole text shorter than min_tokens yields a smaller chunk).
+    newline_is_break: treat every newline (not only blank lines) as a paragraph break when splitting sentences.
+    """
+
+    window_tokens: int = 256
+    threshold: float = 0.5
+    min_tokens: int = 24
+    max_tokens: int = 256
+    newline_is_break: bool = False
+
+    def __post_init__(self) -> None:
+        if self.window_tokens < 1:
+            raise ValueError(f"window_tokens must be at least 1; got {self.window_tokens}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1]; got {self.threshold}")
+        if self.min_tokens < 1:
+            raise ValueError(f"min_tokens must be at least 1; got {self.min_tokens}")
+        if self.max_tokens < 2 * self.min_tokens:
+            raise ValueError(f"max_tokens must be at least 2 * min_tokens = {2 * self.min_tokens}; "
+                             f"got {self.max_tokens}")
+
+
+# ------------------------------------------------------------------------------------------------ shared machinery
+
+@dataclass
+class _Units:
+    """Sentences (or pieces of over-long sentences) with token counts."""
+
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    paragraph: list[int] = field(default_factory=list)
+
+
+def _token_spans(tokenizer, text: str) -> list[tuple[int, int]]:
+    enc = tokenizer.encode(text, add_special_tokens=False)
+    return [(s, e) for s, e in enc.offsets]
+
+
+def _units(text: str, sentences: list[Sentence], counts: np.ndarray, max_tokens: int, tokenizer) -> _Units:
+    """Sentences as units, with any sentence longer than max_tokens cut at token boundaries into equal pieces."""
+    u = _Units()
+    for s, n in zip(sentences, counts):
+        n = int(n)
+        if n <= max_tokens:
+            u.spans.append((s.start, s.end))
+            u.tokens.append(n)
+            u.paragraph.append(s.paragraph)
+            continue
+        offs = _token_spans(tokenizer, s.text)
+        pieces = -(-len(offs) // max_tokens)
+        bounds = np.linspace(0, len(offs), pieces + 1).round().astype(int)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            start = s.start + offs[a][0]
+            end = s.start + (offs[b][0] if b < len(offs) else len(s.text))
+            while end > start and text[end - 1].isspace():
+                end -= 1
+            u.spans.append((start, end))
+            u.tokens.append(int(b - a))
+            u.paragraph.append(s.paragraph)
+    return u
+
+
+def _enforce_sizes(cuts: list[int], tokens: Sequence[int], strength: np.ndarray, min_tokens: int,
+                   max_tokens: int) -> list[int]:
+    """Adjusts segment starts so that every segment holds min..max tokens.
+
+    cuts: sorted unit indices where segments start (0 first). strength[i]: how strongly units i and i+1 belong
+    together (higher = keep together). Small segments merge into the neighbour they belong with more strongly;
+    oversized ones split at their weakest joint that leaves both sides at least min_tokens, recursively. Units are
+    at most max_tokens each, and max_tokens >= 2 * min_tokens, so a valid split always exists unless a segment
+    has a unit that alone exceeds what remains; then the split that best balances the two sides is taken.
+    """
+    csum = np.concatenate([[0], np.cumsum(tokens)])
+    total = int(csum[-1])
+    m = len(tokens)
+
+    def size(a, b):
+        return int(csum[b] - csum[a])
+
+    segs = [(a, b) for a, b in zip(cuts, cuts[1:] + [m])]
+    merged = True
+    while merged and len(segs) > 1:
+        merged = False
+        for idx, (a, b) in enumerate(segs):
+            if size(a, b) >= min_tokens:
+                continue
+            left = strength[a - 1] if idx > 0 else -np.inf
+            right = strength[b - 1] if idx + 1 < len(segs) else -np.inf
+            j = idx - 1 if left >= right else idx + 1
+            lo, hi = min(idx, j), max(idx, j)
+            segs[lo:hi + 1] = [(segs[lo][0], segs[hi][1])]
+            merged = True
+            break
+
+    out: list[tuple[int, int]] = []
+
+    def split(a, b):
+        if size(a, b) <= max_tokens or b - a < 2:
+            out.append((a, b))
+            return
+        joints = list(range(a + 1, b))
+        valid = [j for j in joints if size(a, j) >= min_tokens and size(j, b) >= min_tokens]
+        if valid:
+            j = min(valid, key=lambda j: (strength[j - 1], abs(size(a, j) - size(j, b))))
+        else:
+            j = min(joints, key=lambda j: abs(size(a, j) - size(j, b)))
+        split(a, j)
+        split(j, b)
+
+    for a, b in segs:
+        split(a, b)
+    if total < min_tokens:
+        return [0]
+    return [a for a, _ in out]
+
+
+def _chunks(text: str, units: _Units, starts: list[int]) -> list[Chunk]:
+    chunks = []
+    ends = starts[1:] + [len(units.spans)]
+    for a, b in zip(starts, ends):
+        if b <= a:
+            continue
+        s, e = units.spans[a][0], units.spans[b - 1][1]
+        chunks.append(Chunk(text=text[s:e], start=s, end=e, n_tokens=int(sum(units.tokens[a:b]))))
+    return chunks
+
+
+def _windows(tokens: Sequence[int], window_tokens: int) -> list[int]:
+    """Starts of coarse sentence-complete windows of about window_tokens tokens."""
+    starts, acc = [0], 0
+    for i, t in enumerate(tokens):
+        if acc > 0 and acc + t > window_tokens:
+            starts.append(i)
+            acc = 0
+        acc += t
+    return starts
+
+
+# --------------------------------------------------------------------------------------------------------- SAGE
+
+class Segmenter:
+    """SAGE's semantic segmenter (Wang et al., 2025, "SAGE: A Framework of Precise Retrieval for RAG", section 3.1).
+
+    Text -> paragraphs -> sentences -> coarse windows of about l tokens -> p(same chunk) for every adjacent pair
+    inside a window (trained head on sentence embeddings, native fused scorer) -> split where p < threshold ->
+    min/max token bounds enforced.
+    """
+
+    name = "sage"
+
+    def __init__(self, head=None, embedder=None, config: SegmenterConfig | None = None) -> None:
+        from certrag.embed import Embedder
+        from certrag.segment.head import SegmenterHead
+
+        self.embedder = embedder if embedder is not None else Embedder.default()
+        self.head = head if head is not None else SegmenterHead.default()
+        self.config = config or SegmenterConfig()
+        if self.head.dim != self.embedder.dim:
+            raise ValueError(f"the head expects {self.head.dim}-d embeddings but the embedder gives "
+                             f"{self.embedder.dim}-d ones")
+
+    @classmethod
+    def default(cls, config: SegmenterConfig | None = None) -> "Segmenter":
+        """The bundled embedder with the head trained by certrag and shipped in the package."""
+        return cls(config=config)
+
+    def pair_probabilities(self, texts: list[str]) -> np.ndarray:
+        """p(same chunk) for each adjacent pair of the given sentences: (n - 1,)."""
+        if len(texts) < 2:
+            return np.zeros(0, dtype=np.float32)
+        return self.head.score_adjacent(self.embedder.embed(texts))
+
+    def split(self, text: str) -> list[Chunk]:
+        cfg = self.config
+        sentences = split_sentences(text, newline_is_break=cfg.newline_is_break)
+        if not sentences:
+            return []
+        counts = self.embedder.count_tokens([s.text for s in sentences])
+        units = _units(text, sentences, counts, cfg.max_tokens, self.embedder._counter)
+        probs = self.pair_probabilities([text[s:e] for s, e in units.spans])
+        window_starts = set(_windows(units.tokens, cfg.window_tokens))
+        cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < cfg.threshold or (i + 1) in window_starts]
+        cuts = sorted(set(cuts))
+        starts = _enforce_sizes(cuts, units.tokens, probs.astype(np.float64), cfg.min_tokens, cfg.max_tokens)
+        return _chunks(text, units, starts)
+
+
+# ----------------------------------------------------------------------------------------------------- baselines
+
+class FixedSizeChunker:
+    """Fixed-size chunks of `tokens` word-pieces, cut wherever the count falls (LangChain's TokenTextSplitter with
+    no overlap)."""
+
+    name = "fixed"
+
+    def __init__(self, tokens: int = 128, embedder=None) -> None:
+        from certrag.embed import Embedder
+
+        if tokens < 1:
+            raise ValueError(f"tokens must be at least 1; got {tokens}")
+        self.tokens = tokens
+        self.embedder = embedder if embedder is not None else Embedder.default()
+
+    def split(self, text: str) -> list[Chunk]:
+        offs = _token_spans(self.embedder._counter, text)
+        chunks = []
+        for a in range(0, len(offs), self.tokens):
+            b = min(len(offs), a + self.tokens)
+            s, e = offs[a][0], offs[b - 1][1]
+            chunks.append(Chunk(text=text[s:e], start=s, end=e, n_tokens=b - a))
+        return chunks
+
+
+class SentenceFixedChunker:
+    """Whole sentences packed greedily up to `tokens` word-pieces (LlamaIndex's SentenceSplitter, no overlap)."""
+
+    name = "fixed_sentence"
+
+    def __init__(self, tokens: int = 128, embedder=None, newline_is_break: bool = False) -> None:
+        from certrag.embed import Embedder
+
+        if tokens < 1:
+            raise ValueError(f"tokens must be at least 1; got {tokens}")
+        self.tokens = tokens
+        self.newline_is_break = newline_is_break
+        self.embedder = embedder if embedder is not None else Embedder.default()
+
+    def split(self, text: str) -> list[Chunk]:
+        sentences = split_sentences(text, newline_is_break=self.newline_is_break)
+        if not sentences:
+            return []
+        counts = self.embedder.count_tokens([s.text for s in sentences])
+        units = _units(text, sentences, counts, self.tokens, self.embedder._counter)
+        return _chunks(text, units, _windows(units.tokens, self.tokens))
+
+
+class PercentileSemanticChunker:
+    """Embedding-distance breakpoints (LangChain's SemanticChunker, breakpoint_threshold_type="percentile", and
+    LlamaIndex's SemanticSplitterNodeParser): each sentence is embedded with `buffer` neighbours on each side, and
+    the text splits where the cosine distance between consecutive sentences exceeds the given percentile."""
+
+    name = "semantic_percentile"
+
+    def __init__(self, percentile: float = 95.0, buffer: int = 1, embedder=None,
+                 newline_is_break: bool = False) -> None:
+        from certrag.embed import Embedder
+
+        if not 0.0 <= percentile <= 100.0:
+            raise ValueError(f"percentile must be in [0, 100]; got {percentile}")
+        if buffer < 0:
+            raise ValueError(f"buffer must be >= 0; got {buffer}")
+        self.percentile = percentile
+        self.buffer = buffer
+        self.newline_is_break = newline_is_break
+        self.embedder = embedder if embedder is not None else Embedder.default()
+
+    def split(self, text: str) -> list[Chunk]:
+        sentences = split_sentences(text, newline_is_break=self.newline_is_break)
+        if not sentences:
+            return []
+        counts = self.embedder.count_tokens([s.text for s in sentences])
+        units = _units(text, sentences, counts, 10**9, self.embedder._counter)
+        n = len(units.spans)
+        if n < 2:
+            return _chunks(text, units, [0])
+        pieces = [text[s:e] for s, e in units.spans]
+        combined = [" ".join(pieces[max(0, i - self.buffer): i + self.buffer + 1]) for i in range(n)]
+        emb = self.embedder.embed(combined)
+        distance = 1.0 - np.sum(emb[:-1] * emb[1:], axis=1)
+        threshold = np.percentile(distance, self.percentile)
+        return _chunks(text, units, [0] + [i + 1 for i, d in enumerate(distance) if d > threshold])

