@@ -112,6 +112,12 @@ def update_results_md(name: str, markdown: str) -> None:
     tmp.replace(RESULTS_MD)
 
 
+def footer(meta: dict) -> str:
+    """The provenance lines closing every RESULTS.md section."""
+    return (f"\nMachine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; commit {meta['commit']}; "
+            f"{meta['date']}.\nCommand: `{meta['command']}`\n")
+
+
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     def fmt(v):
         if isinstance(v, float):

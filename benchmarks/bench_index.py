@@ -285,8 +285,7 @@ def main() -> None:
         saved = json.loads((_common.RESULTS_DIR / "bench_index.json").read_text())
         meta = saved["meta"]
         text = summarise(saved["rows"], argparse.Namespace(**meta["args"]))
-        text += (f"\n\nMachine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; commit {meta['commit']}; "
-                 f"{meta['date']}.\nCommand: `{meta['command']}`\n")
+        text += "\n" + _common.footer(meta)
         _common.update_results_md("bench_index", text)
         print(text)
         return
@@ -322,8 +321,7 @@ def main() -> None:
     meta = _common.meta({"bench": "bench_index", "args": {"repeats": args.repeats,
                                                           "single_queries": args.single_queries}})
     text = summarise(rows, args)
-    text += (f"\n\nMachine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; commit {meta['commit']}; "
-             f"{meta['date']}.\nCommand: `{meta['command']}`\n")
+    text += "\n" + _common.footer(meta)
     print(text)
     if not args.no_write:
         for r in rows:

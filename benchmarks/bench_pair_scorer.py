@@ -121,8 +121,7 @@ def main() -> None:
                                [[r["method"], r["pairs_per_s"], r["ratio_to_torch_unfused"],
                                  f"{r['fraction_of_ceiling']:.0%}", r["p50_ms"],
                                  f"{r['max_abs_error_vs_torch_unfused']:.1e}"] for r in rows]),
-        f"\nMachine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; commit {meta['commit']}; "
-        f"{meta['date']}.\nCommand: `{meta['command']}`\n"])
+        _common.footer(meta)])
     print(text)
     if not args.no_write:
         _common.write_rows("bench_pair_scorer", rows, meta)

@@ -181,8 +181,7 @@ def main() -> None:
             [[r["method"], r["precision"], r["recall"], r["f1"], r["pk"], r["windowdiff"],
               r["pk_by_source"].get("wiki", float("nan")), r["pk_by_source"].get("pydoc", float("nan")),
               r["chunks"], r["sentences_per_s"]] for r in rows]),
-        f"\nMachine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; commit {meta['commit']}; "
-        f"{meta['date']}.\nCommand: `{meta['command']}`\n"])
+        _common.footer(meta)])
     print(text)
     if not args.no_write:
         _common.write_rows("bench_segmentation", rows, meta)

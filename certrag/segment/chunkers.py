@@ -151,6 +151,15 @@ def _enforce_sizes(cuts: list[int], tokens: Sequence[int], strength: np.ndarray,
     return [a for a, _ in out]
 
 
+def _text_units(text: str, embedder, newline_is_break: bool, max_tokens: int) -> _Units:
+    """Sentences of text as units with token counts (over-long sentences cut to max_tokens)."""
+    sentences = split_sentences(text, newline_is_break=newline_is_break)
+    if not sentences:
+        return _Units()
+    counts = embedder.count_tokens([s.text for s in sentences])
+    return _units(text, sentences, counts, max_tokens, embedder._counter)
+
+
 def _chunks(text: str, units: _Units, starts: list[int]) -> list[Chunk]:
     chunks = []
     ends = starts[1:] + [len(units.spans)]
@@ -164,6 +173,8 @@ def _chunks(text: str, units: _Units, starts: list[int]) -> list[Chunk]:
 
 def _windows(tokens: Sequence[int], window_tokens: int) -> list[int]:
     """Starts of coarse sentence-complete windows of about window_tokens tokens."""
+    if not tokens:
+        return []
     starts, acc = [0], 0
     for i, t in enumerate(tokens):
         if acc > 0 and acc + t > window_tokens:
@@ -209,11 +220,9 @@ class Segmenter:
 
     def split(self, text: str) -> list[Chunk]:
         cfg = self.config
-        sentences = split_sentences(text, newline_is_break=cfg.newline_is_break)
-        if not sentences:
+        units = _text_units(text, self.embedder, cfg.newline_is_break, cfg.max_tokens)
+        if not units.spans:
             return []
-        counts = self.embedder.count_tokens([s.text for s in sentences])
-        units = _units(text, sentences, counts, cfg.max_tokens, self.embedder._counter)
         probs = self.pair_probabilities([text[s:e] for s, e in units.spans])
         window_starts = set(_windows(units.tokens, cfg.window_tokens))
         cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < cfg.threshold or (i + 1) in window_starts]
@@ -263,11 +272,7 @@ class SentenceFixedChunker:
         self.embedder = embedder if embedder is not None else Embedder.default()
 
     def split(self, text: str) -> list[Chunk]:
-        sentences = split_sentences(text, newline_is_break=self.newline_is_break)
-        if not sentences:
-            return []
-        counts = self.embedder.count_tokens([s.text for s in sentences])
-        units = _units(text, sentences, counts, self.tokens, self.embedder._counter)
+        units = _text_units(text, self.embedder, self.newline_is_break, self.tokens)
         return _chunks(text, units, _windows(units.tokens, self.tokens))
 
 
@@ -292,12 +297,10 @@ class PercentileSemanticChunker:
         self.embedder = embedder if embedder is not None else Embedder.default()
 
     def split(self, text: str) -> list[Chunk]:
-        sentences = split_sentences(text, newline_is_break=self.newline_is_break)
-        if not sentences:
-            return []
-        counts = self.embedder.count_tokens([s.text for s in sentences])
-        units = _units(text, sentences, counts, 10**9, self.embedder._counter)
+        units = _text_units(text, self.embedder, self.newline_is_break, 10**9)
         n = len(units.spans)
+        if n == 0:
+            return []
         if n < 2:
             return _chunks(text, units, [0])
         pieces = [text[s:e] for s, e in units.spans]
