@@ -97,3 +97,33 @@ def test_saved_head_round_trips_bit_exactly(tmp_path):
     assert np.float32(again.b2).tobytes() == np.float32(head.b2).tobytes()
     assert again.card == {"note": "test"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h.json", "h.safetensors"]
+
+
+def test_bfloat16_path_stays_close_to_float32(rng):
+    import certrag
+
+    if not certrag.info()["bfloat16_pair_scorer"]:
+        pytest.skip("CPU lacks AVX512_BF16")
+    for dim, hidden, n in [(384, 256, 1001), (17, 5, 7), (3, 1, 2)]:
+        head = SegmenterHead(rng.normal(0, 0.2, (hidden, 4 * dim)), rng.normal(0, 0.5, hidden),
+                             rng.normal(0, 0.5, hidden), 0.3)
+        x = rng.standard_normal((n, dim)).astype(np.float32)
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        ref = head.score_reference(x)
+        got = head.score_adjacent(x, precision="bfloat16")
+        err = np.abs(got - ref)
+        # bfloat16 keeps 8 significant bits: the stated bound is 0.05 at worst and 0.01 on average.
+        assert err.max() < 0.05 and err.mean() < 0.01, (err.max(), err.mean())
+        assert err.max() > 0 or n < 3  # it really ran in reduced precision
+
+
+def test_bfloat16_refused_clearly_without_support(rng):
+    import certrag
+
+    head = SegmenterHead.random(8, 4)
+    if certrag.info()["bfloat16_pair_scorer"]:
+        with pytest.raises(ValueError, match="precision must be"):
+            head.score_adjacent(rng.standard_normal((3, 8)), precision="fp8")
+    else:
+        with pytest.raises(ValueError, match="AVX512_BF16"):
+            head.score_adjacent(rng.standard_normal((3, 8)), precision="bfloat16")

@@ -96,6 +96,7 @@ PYBIND11_MODULE(_core, m) {
     info["cxx_standard"] = static_cast<long>(__cplusplus);
     info["simd_compiled"] = certrag::simd_levels_compiled();
     info["simd_active"] = certrag::simd_level_name(certrag::distance_kernels().level);
+    info["bfloat16_pair_scorer"] = certrag::cpu_supports_bf16();
     info["threads"] = "std::thread";
     info["hardware_concurrency"] = std::thread::hardware_concurrency();
 #ifdef NDEBUG
@@ -133,7 +134,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<certrag::PairScorer>(m, "PairScorer")
       .def(py::init([](const py::array& w1, const py::array& b1, const py::array& w2, float b2,
-                       const std::string& level) {
+                       const std::string& level, const std::string& precision) {
              if (!py::isinstance<FloatArray>(w1) || !(w1.flags() & py::array::c_style) || w1.ndim() != 2 ||
                  w1.shape(1) % 4 != 0 || w1.shape(1) == 0)
                throw py::value_error("w1 must be a C-contiguous float32 array of shape (hidden, 4 * dim); got " +
@@ -152,9 +153,15 @@ PYBIND11_MODULE(_core, m) {
              if (!problem.empty()) throw py::value_error(problem);
              const auto lv = parse_level(level);
              if (!certrag::cpu_supports(lv)) throw py::value_error("this CPU does not support " + level);
-             return std::make_unique<certrag::PairScorer>(w, lv);
+             if (precision != "float32" && precision != "bfloat16")
+               throw py::value_error("precision must be 'float32' or 'bfloat16'; got '" + precision + "'");
+             const auto pr = precision == "bfloat16" ? certrag::PairPrecision::bfloat16 : certrag::PairPrecision::float32;
+             if (pr == certrag::PairPrecision::bfloat16 && !certrag::cpu_supports_bf16())
+               throw py::value_error("precision='bfloat16' needs a CPU with AVX512_BF16");
+             return std::make_unique<certrag::PairScorer>(w, lv, pr);
            }),
-           py::arg("w1"), py::arg("b1"), py::arg("w2"), py::arg("b2"), py::arg("level") = "auto")
+           py::arg("w1"), py::arg("b1"), py::arg("w2"), py::arg("b2"), py::arg("level") = "auto",
+           py::arg("precision") = "float32")
       .def(
           "score_adjacent",
           [](const certrag::PairScorer& self, const py::array& x, int num_threads) {
@@ -171,7 +178,10 @@ PYBIND11_MODULE(_core, m) {
           py::arg("embeddings"), py::arg("num_threads") = 0)
       .def_property_readonly("dim", &certrag::PairScorer::dim)
       .def_property_readonly("hidden", &certrag::PairScorer::hidden)
-      .def_property_readonly("level", [](const certrag::PairScorer& self) { return certrag::simd_level_name(self.level()); });
+      .def_property_readonly("level", [](const certrag::PairScorer& self) { return certrag::simd_level_name(self.level()); })
+      .def_property_readonly("precision", [](const certrag::PairScorer& self) {
+        return self.precision() == certrag::PairPrecision::bfloat16 ? "bfloat16" : "float32";
+      });
 
   py::class_<HnswIndex>(m, "HnswIndex")
       .def(py::init([](std::uint32_t dim, const std::string& metric, std::uint32_t M, std::uint32_t ef_construction,

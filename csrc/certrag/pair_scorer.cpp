@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 
@@ -20,6 +21,18 @@ constexpr std::uint32_t kMaxHidden = 65536;
 
 inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 
+// Round-to-nearest-even float32 -> bfloat16 (inputs are finite: checked before scoring).
+inline std::uint16_t to_bf16(float f) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<std::uint16_t>(bits >> 16);
+}
+
+inline std::uint32_t bf16_pair(float even, float odd) {
+  return static_cast<std::uint32_t>(to_bf16(even)) | (static_cast<std::uint32_t>(to_bf16(odd)) << 16);
+}
+
 }  // namespace
 
 std::string PairHeadWeights::validate() const {
@@ -35,11 +48,24 @@ std::string PairHeadWeights::validate() const {
   return "";
 }
 
-PairScorer::PairScorer(const PairHeadWeights& w, SimdLevel level)
-    : dim_(w.dim), hidden_(w.hidden), level_(level), b2_(w.b2) {
+bool cpu_supports_bf16() {
+#ifdef CERTRAG_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+PairScorer::PairScorer(const PairHeadWeights& w, SimdLevel level, PairPrecision precision)
+    : dim_(w.dim), hidden_(w.hidden), level_(level), precision_(precision), b2_(w.b2) {
   const std::string problem = w.validate();
   if (!problem.empty()) throw std::invalid_argument(problem);
   if (!cpu_supports(level)) throw std::invalid_argument(std::string("this CPU does not support ") + simd_level_name(level));
+  if (precision_ == PairPrecision::bfloat16) {
+    if (!cpu_supports_bf16()) throw std::invalid_argument("the bfloat16 path needs a CPU with AVX512_BF16");
+    level_ = SimdLevel::avx512;
+  }
   switch (level_) {
     case SimdLevel::avx512:
       mr_ = 8;
@@ -69,7 +95,19 @@ PairScorer::PairScorer(const PairHeadWeights& w, SimdLevel level)
   w2_.assign(tiles_ * mr_, 0.f);
   std::copy(w.b1, w.b1 + H, b1_.begin());
   std::copy(w.w2, w.w2 + H, w2_.begin());
-  if (level_ != SimdLevel::scalar) {
+  if (precision_ == PairPrecision::bfloat16) {
+    k_pairs_ = (K + 1) / 2;
+    packed_bf16_.assign(tiles_ * k_pairs_ * mr_, 0u);
+    for (std::size_t t = 0; t < tiles_; ++t)
+      for (std::size_t kp = 0; kp < k_pairs_; ++kp)
+        for (std::size_t r = 0; r < mr_; ++r) {
+          const std::size_t h = t * mr_ + r;
+          if (h >= H) continue;
+          const float even = folded_[h * K + 2 * kp];
+          const float odd = 2 * kp + 1 < K ? folded_[h * K + 2 * kp + 1] : 0.f;
+          packed_bf16_[(t * k_pairs_ + kp) * mr_ + r] = bf16_pair(even, odd);
+        }
+  } else if (level_ != SimdLevel::scalar) {
     packed_.assign(tiles_ * K * mr_, 0.f);
     for (std::size_t t = 0; t < tiles_; ++t)
       for (std::size_t k = 0; k < K; ++k)
@@ -212,8 +250,77 @@ __attribute__((target("avx2,fma"))) void PairScorer::run_block_avx2(const float*
   for (std::size_t c = 0; c < count; ++c) out[c] = sigmoid(z[c]);
 }
 
+// The bfloat16 panel holds, per pair of consecutive features (k, k+1) and per column, one 32-bit word of two
+// bfloat16 values; vdpbf16ps multiplies word by word and adds both products into a float32 lane.
+__attribute__((target("avx512f,avx512bf16"))) void PairScorer::run_block_bf16(const float* x, std::size_t first,
+                                                                              std::size_t count,
+                                                                              std::uint32_t* panel,
+                                                                              float* out) const {
+  constexpr std::size_t MR = 8, NV = 3, NR = 48;
+  const std::size_t d = dim_, K = 3 * d, KP = k_pairs_;
+  const std::size_t kpad = (K + 31) / 32 * 32;
+  // Scratch after the panel: one feature row in float32 and the same row in bfloat16. In natural order the
+  // bfloat16 row read as 32-bit words is exactly the (k even, k odd) pairs that vdpbf16ps wants.
+  float* row = reinterpret_cast<float*>(panel + KP * NR);
+  std::uint32_t* words = panel + KP * NR + kpad;
+  if (count < NR) std::memset(panel, 0, KP * NR * sizeof(std::uint32_t));
+  for (std::size_t k = K; k < kpad; ++k) row[k] = 0.f;
+  for (std::size_t c = 0; c < count; ++c) {
+    const float* a = x + (first + c) * d;
+    const float* b = a + d;
+    for (std::size_t j = 0; j < d; ++j) {
+      row[j] = a[j];
+      row[d + j] = b[j];
+      row[2 * d + j] = a[j] * b[j];
+    }
+    for (std::size_t k = 0; k < kpad; k += 32) {
+      const __m512bh bf = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k));
+      _mm512_storeu_si512(words + k / 2, (__m512i)bf);
+    }
+    for (std::size_t kp = 0; kp < KP; ++kp) panel[kp * NR + c] = words[kp];
+  }
+  __m512 logit[NV];
+  for (std::size_t v = 0; v < NV; ++v) logit[v] = _mm512_set1_ps(b2_);
+  for (std::size_t t = 0; t < tiles_; ++t) {
+    const std::uint32_t* w = packed_bf16_.data() + t * KP * MR;
+    __m512 acc[MR][NV];
+#pragma GCC unroll 8
+    for (std::size_t r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+      for (std::size_t v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    const std::uint32_t* f = panel;
+    for (std::size_t kp = 0; kp < KP; ++kp, f += NR, w += MR) {
+      const __m512bh f0 = (__m512bh)_mm512_loadu_si512(f);
+      const __m512bh f1 = (__m512bh)_mm512_loadu_si512(f + 16);
+      const __m512bh f2 = (__m512bh)_mm512_loadu_si512(f + 32);
+#pragma GCC unroll 8
+      for (std::size_t r = 0; r < MR; ++r) {
+        const __m512bh wr = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wr, f0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], wr, f1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], wr, f2);
+      }
+    }
+    const __m512 zero = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (std::size_t r = 0; r < MR; ++r) {
+      const __m512 bias = _mm512_set1_ps(b1_[t * MR + r]);
+      const __m512 out_w = _mm512_set1_ps(w2_[t * MR + r]);
+#pragma GCC unroll 3
+      for (std::size_t v = 0; v < NV; ++v)
+        logit[v] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_add_ps(acc[r][v], bias), zero), out_w, logit[v]);
+    }
+  }
+  alignas(64) float z[NR];
+  for (std::size_t v = 0; v < NV; ++v) _mm512_store_ps(z + 16 * v, logit[v]);
+  for (std::size_t c = 0; c < count; ++c) out[c] = sigmoid(z[c]);
+}
+
 #else
 
+void PairScorer::run_block_bf16(const float*, std::size_t, std::size_t, std::uint32_t*, float*) const {
+  throw std::logic_error("bfloat16 kernel not compiled");
+}
 void PairScorer::run_block_avx512(const float*, std::size_t, std::size_t, float*, float*) const {
   throw std::logic_error("AVX-512 kernel not compiled");
 }
@@ -235,12 +342,21 @@ void PairScorer::score_adjacent(std::size_t n, const float* x, float* out, int n
   const std::size_t panel_floats = 3 * d * nr_;
   const unsigned workers = workers_for(blocks, num_threads, 1);
   std::vector<std::unique_ptr<float[]>> panels(workers);
-  if (level_ != SimdLevel::scalar)
+  std::vector<std::unique_ptr<std::uint32_t[]>> panels_bf16(workers);
+  if (precision_ == PairPrecision::bfloat16) {
+    const std::size_t kpad = (3 * static_cast<std::size_t>(dim_) + 31) / 32 * 32;
+    for (auto& p : panels_bf16) p.reset(new std::uint32_t[k_pairs_ * nr_ + kpad + kpad / 2 + 16]);
+  } else if (level_ != SimdLevel::scalar) {
     for (auto& p : panels) p.reset(new float[panel_floats]);
+  }
   parallel_for_workers(blocks, num_threads, 1, [&](std::size_t b, unsigned worker) {
     float* panel = panels[worker].get();
     const std::size_t first = b * nr_;
     const std::size_t count = std::min(nr_, pairs - first);
+    if (precision_ == PairPrecision::bfloat16) {
+      run_block_bf16(x, first, count, panels_bf16[worker].get(), out + first);
+      return;
+    }
     switch (level_) {
       case SimdLevel::avx512:
         run_block_avx512(x, first, count, panel, out + first);
