@@ -80,7 +80,7 @@ def _check_invariants(text, chunks, lo=None, hi=None, counter=None):
 @pytest.mark.parametrize("lo, hi, window", [(8, 40, 64), (24, 256, 256), (1, 2, 16), (50, 100, 30)])
 def test_sage_chunks_respect_offsets_and_sizes(embedder, wiki_docs, lo, hi, window):
     seg = Segmenter(embedder=embedder, config=SegmenterConfig(min_tokens=lo, max_tokens=hi, window_tokens=window))
-    for doc in wiki_docs[:3]:
+    for doc in wiki_docs[:8]:
         text = "\n\n".join(doc.paragraphs)
         _check_invariants(text, seg.split(text), lo, hi, embedder)
     long_sentence = " ".join(["word"] * 700) + "."

@@ -36,6 +36,8 @@ class SegmenterConfig:
     threshold: split between two sentences where p(same chunk) < threshold.
     min_tokens / max_tokens: bounds every chunk respects (max_tokens >= 2 * min_tokens, so that any oversized run
         can be cut into pieces that respect both; only a whole text shorter than min_tokens yields a smaller chunk).
+        Chunks end at sentence boundaries whenever the bounds allow; where they do not (a sentence longer than
+        max_tokens, or a short sentence wedged between long ones), a cut falls at a word boundary inside a sentence.
     newline_is_break: treat every newline (not only blank lines) as a paragraph break when splitting sentences.
     """
 
@@ -160,6 +162,52 @@ def _text_units(text: str, embedder, newline_is_break: bool, max_tokens: int) ->
     return _units(text, sentences, counts, max_tokens, embedder._counter)
 
 
+def _make_chunk(text: str, start: int, end: int, counter) -> Chunk:
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    return Chunk(text=text[start:end], start=start, end=end,
+                 n_tokens=len(counter.encode(text[start:end], add_special_tokens=False).ids))
+
+
+def _repair_small(text: str, chunks: list[Chunk], min_tokens: int, max_tokens: int, counter) -> list[Chunk]:
+    """Last resort for a chunk under min_tokens that no sentence boundary could avoid: merge it with its smaller
+    neighbour; if that exceeds max_tokens, cut the merged span in two at the word boundary nearest its token
+    midpoint. Both halves then hold more than max_tokens / 2 >= min_tokens tokens."""
+    chunks = list(chunks)
+    i = 0
+    while len(chunks) > 1 and i < len(chunks):
+        if chunks[i].n_tokens >= min_tokens:
+            i += 1
+            continue
+        if i == 0:
+            j = 1
+        elif i == len(chunks) - 1:
+            j = i - 1
+        else:
+            j = i - 1 if chunks[i - 1].n_tokens <= chunks[i + 1].n_tokens else i + 1
+        lo, hi = min(i, j), max(i, j)
+        start, end = chunks[lo].start, chunks[hi].end
+        merged = _make_chunk(text, start, end, counter)
+        if merged.n_tokens <= max_tokens:
+            chunks[lo:hi + 1] = [merged]
+            i = lo
+            continue
+        enc = counter.encode(text[start:end], add_special_tokens=False)
+        half = len(enc.ids) // 2
+        word_starts = [t for t, (a, _) in enumerate(enc.offsets) if t > 0 and a > 0 and text[start + a - 1].isspace()]
+        cut_token = min(word_starts, key=lambda t: abs(t - half)) if word_starts else half
+        cut = start + enc.offsets[cut_token][0]
+        first, second = _make_chunk(text, start, cut, counter), _make_chunk(text, cut, end, counter)
+        if not (min_tokens <= first.n_tokens <= max_tokens and min_tokens <= second.n_tokens <= max_tokens):
+            cut = start + enc.offsets[half][0]
+            first, second = _make_chunk(text, start, cut, counter), _make_chunk(text, cut, end, counter)
+        chunks[lo:hi + 1] = [first, second]
+        i = lo
+    return chunks
+
+
 def _chunks(text: str, units: _Units, starts: list[int]) -> list[Chunk]:
     chunks = []
     ends = starts[1:] + [len(units.spans)]
@@ -228,7 +276,10 @@ class Segmenter:
         cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < cfg.threshold or (i + 1) in window_starts]
         cuts = sorted(set(cuts))
         starts = _enforce_sizes(cuts, units.tokens, probs.astype(np.float64), cfg.min_tokens, cfg.max_tokens)
-        return _chunks(text, units, starts)
+        chunks = _chunks(text, units, starts)
+        if any(c.n_tokens < cfg.min_tokens for c in chunks) and len(chunks) > 1:
+            chunks = _repair_small(text, chunks, cfg.min_tokens, cfg.max_tokens, self.embedder._counter)
+        return chunks
 
 
 # ----------------------------------------------------------------------------------------------------- baselines

@@ -47,7 +47,7 @@ double recall(const certrag::HnswIndex& index, const std::vector<float>& base, c
   const std::size_t n = base.size() / dim, nq = queries.size() / dim;
   std::vector<std::int64_t> ids(nq * k);
   std::vector<float> scores(nq * k);
-  index.search(nq, queries.data(), k, 64, 0, ids.data(), scores.data());
+  index.search(nq, queries.data(), k, 200, 0, ids.data(), scores.data());
   std::size_t hits = 0;
   for (std::size_t q = 0; q < nq; ++q) {
     std::vector<std::pair<float, std::int64_t>> all(n);
