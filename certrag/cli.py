@@ -26,10 +26,17 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
+@click.argument("store", required=False, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def info(as_json: bool) -> None:
-    """What this build is: version, compiler, SIMD levels, threading."""
-    data = certrag.info()
+def info(store: Path | None, as_json: bool) -> None:
+    """What this build is (version, compiler, SIMD, threading), or with STORE what a store holds."""
+    if store is not None:
+        from certrag.engine import Engine
+
+        with _open_engine(store, read_only=True) as engine:
+            data = engine.info()
+    else:
+        data = certrag.info()
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -82,6 +89,82 @@ def demo(n: int, dim: int, queries: int, k: int, ef: int, out: Path | None) -> N
                f"p99 {np.percentile(lat, 99) * 1e3:.3f} ms")
     click.echo(f"first query's top 3: ids {result.ids[0, :3].tolist()}, "
                f"scores {[round(float(s), 4) for s in result.scores[0, :3]]}")
+
+
+def _open_engine(store: Path, read_only: bool):
+    from certrag.engine import Engine
+    from certrag.store import StoreError
+
+    try:
+        return Engine.open(store, read_only=read_only)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.argument("src", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--store", type=click.Path(path_type=Path), required=True, help="Store folder to create or extend.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="EngineConfig as JSON or YAML (only for a new store).")
+@click.option("--chunker", type=click.Choice(["sage", "fixed", "fixed_sentence", "semantic_percentile"]),
+              help="Override the config's chunker (new store only).")
+def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None) -> None:
+    """Index SRC (files, folders of .txt/.md, or JSONL with id, text, metadata) into a store: creates it, or adds
+    to it when it exists."""
+    from certrag.config import EngineConfig
+    from certrag.engine import Engine
+    from certrag.store import StoreError
+
+    try:
+        if (store / "CURRENT").exists():
+            if config_path or chunker:
+                raise click.UsageError("--config and --chunker apply to a new store only")
+            with _open_engine(store, read_only=False) as engine:
+                report = engine.add(list(src))
+        else:
+            config = EngineConfig.load(config_path) if config_path else EngineConfig()
+            if chunker:
+                config = config.replace(chunker=chunker)
+            with Engine.build(list(src), store, config) as engine:
+                report = engine.last_report
+    except (StoreError, ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"indexed {report.documents} documents into {report.chunks} chunks in {report.seconds:.1f} s"
+               + (f"; skipped {len(report.skipped_empty)} empty" if report.skipped_empty else "") + f" -> {store}")
+
+
+@main.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("question")
+@click.option("--candidates", "-n", type=int, default=None, help="Candidates from the index (N).")
+@click.option("--selector", type=click.Choice(["gradient", "topk", "autocut", "topp"]), default=None)
+@click.option("--all", "show_all", is_flag=True, help="Show every candidate, not only the selected ones.")
+@click.option("--json", "as_json", is_flag=True, help="Print the full retrieval as JSON.")
+def search(store: Path, question: str, candidates: int | None, selector: str | None, show_all: bool,
+           as_json: bool) -> None:
+    """Retrieve, rerank and select the chunks of STORE that answer QUESTION."""
+    with _open_engine(store, read_only=True) as engine:
+        sel = None
+        if selector:
+            import dataclasses
+
+            sel = dataclasses.replace(engine.config.selection, method=selector).make()
+        try:
+            r = engine.retrieve(question, candidates=candidates, selector=sel)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(r.to_dict(), indent=2, ensure_ascii=False))
+        return
+    shown = len(r.chunk_ids) if show_all else r.selected
+    for i in range(shown):
+        mark = "*" if i < r.selected else " "
+        score = r.rerank_scores[i] if not np.isnan(r.rerank_scores[i]) else r.dense_scores[i]
+        snippet = " ".join(r.texts[i].split())[:160]
+        click.echo(f"{mark} {i + 1:2d}. [{r.doc_ids[i]}] {score:7.3f}  {snippet}")
+    t = r.trace
+    click.echo(f"selected {r.selected} of {len(r.chunk_ids)} ({t['selector']}); embed {t['embed_ms']:.1f} ms, "
+               f"search {t['search_ms']:.2f} ms, rerank {t['rerank_ms']:.1f} ms")
 
 
 @main.command("train-segmenter")

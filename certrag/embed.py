@@ -35,6 +35,60 @@ def _import_torch():
     return torch
 
 
+class EmbeddingCache:
+    """Embeddings keyed by the SHA-256 of (model name, text), kept in one safetensors file (keys: uint8 (n, 32),
+    vectors: float32 (n, dim)) so that rebuilding a store or rerunning a benchmark re-embeds nothing it has seen.
+    Not shared between processes: the last writer wins (each write is atomic)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._index: dict[bytes, int] = {}
+        self._vectors: list[np.ndarray] = []
+        self._dirty = False
+        if self.path.exists():
+            from safetensors.numpy import load_file
+
+            data = load_file(str(self.path))
+            for i, key in enumerate(data["keys"]):
+                self._index[key.tobytes()] = i
+            self._vectors = list(data["vectors"])
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @staticmethod
+    def key(model: str, text: str) -> bytes:
+        import hashlib
+
+        return hashlib.sha256(model.encode() + b"\0" + text.encode("utf-8", "surrogatepass")).digest()
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        i = self._index.get(key)
+        return None if i is None else self._vectors[i]
+
+    def put(self, key: bytes, vector: np.ndarray) -> None:
+        if key not in self._index:
+            self._index[key] = len(self._vectors)
+            self._vectors.append(np.asarray(vector, dtype=np.float32))
+            self._dirty = True
+
+    def save(self) -> None:
+        if not self._dirty:
+            return
+        from safetensors.numpy import save
+
+        keys = np.frombuffer(b"".join(self._index), dtype=np.uint8).reshape(-1, 32)
+        order = np.array(list(self._index.values()), dtype=np.int64)
+        vectors = np.stack([self._vectors[i] for i in order]) if len(order) else np.zeros((0, 0), np.float32)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(save({"keys": np.ascontiguousarray(keys), "vectors": vectors}))
+        os.replace(tmp, self.path)
+        self._index = {k: i for i, k in enumerate(self._index)}
+        self._vectors = list(vectors)
+        self._dirty = False
+
+
 class Embedder:
     """Batched, normalised sentence embeddings from a BERT-style encoder with mean pooling.
 
@@ -42,7 +96,8 @@ class Embedder:
     """
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, name: str = DEFAULT_MODEL,
-                 batch_size: int = 64, max_length: int = 256, num_threads: int | None = None) -> None:
+                 batch_size: int = 64, max_length: int = 256, num_threads: int | None = None,
+                 cache: EmbeddingCache | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}")
         if max_length < 8:
@@ -59,6 +114,7 @@ class Embedder:
         self.batch_size = batch_size
         self.max_length = max_length
         self.num_threads = num_threads
+        self.cache = cache
         self._torch = torch
         self._lock = threading.Lock()
         self._model = AutoModel.from_pretrained(str(self.model_dir), local_files_only=True).eval()
@@ -94,6 +150,26 @@ class Embedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         if not texts:
             return out
+        if self.cache is not None:
+            keys = [EmbeddingCache.key(self.name, t) for t in texts]
+            missing = []
+            for i, k in enumerate(keys):
+                v = self.cache.get(k)
+                if v is None:
+                    missing.append(i)
+                else:
+                    out[i] = v
+            if missing:
+                fresh = self._embed_uncached([texts[i] for i in missing])
+                out[missing] = fresh
+                for i, v in zip(missing, fresh):
+                    self.cache.put(keys[i], v)
+                self.cache.save()
+            return out
+        return self._embed_uncached(texts)
+
+    def _embed_uncached(self, texts: list[str]) -> np.ndarray:
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
         torch = self._torch
         # Sorting by length keeps padding (wasted work) low inside each batch.
         order = np.argsort([len(t) for t in texts], kind="stable")

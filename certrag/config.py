@@ -1,0 +1,143 @@
+"""The engine's configuration: frozen keyword-only dataclasses, saved and loaded as JSON (or YAML with PyYAML)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from certrag.segment.chunkers import SegmenterConfig
+from certrag.select import SELECTORS, Selector
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexConfig:
+    """The HNSW index over chunk embeddings (see certrag.HnswIndex)."""
+
+    metric: str = "cosine"
+    M: int = 16
+    ef_construction: int = 200
+    ef_search: int = 64  # per-query breadth; raised to the candidate count when smaller
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("ip", "l2", "cosine"):
+            raise ValueError(f"index.metric must be ip, l2 or cosine; got {self.metric!r}")
+        for name in ("M", "ef_construction", "ef_search"):
+            if getattr(self, name) < (2 if name == "M" else 1):
+                raise ValueError(f"index.{name} is too small: {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetrievalConfig:
+    """candidates: how many chunks the index returns per question (N); rerank: score them with the cross-encoder;
+    dense_weight: the reranker's score is fused with the dense score as rerank + dense_weight * dense (0 means the
+    cross-encoder alone)."""
+
+    candidates: int = 20
+    rerank: bool = True
+    rerank_batch: int = 64
+    dense_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.candidates < 1:
+            raise ValueError(f"retrieval.candidates must be at least 1; got {self.candidates}")
+        if self.rerank_batch < 1:
+            raise ValueError(f"retrieval.rerank_batch must be at least 1; got {self.rerank_batch}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelectionConfig:
+    """method: gradient (SAGE), topk, autocut (Weaviate) or topp; the other fields are each method's parameters."""
+
+    method: str = "gradient"
+    min_k: int = 1
+    g: float = 1.5
+    max_k: int = 10
+    k: int = 5
+    jumps: int = 1
+    p: float = 0.9
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method not in SELECTORS:
+            raise ValueError(f"selection.method must be one of {sorted(SELECTORS)}; got {self.method!r}")
+        self.make()  # validates the chosen method's parameters
+
+    def make(self) -> Selector:
+        from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector
+
+        if self.method == "gradient":
+            return GradientSelector(min_k=self.min_k, g=self.g, max_k=self.max_k)
+        if self.method == "topk":
+            return TopKSelector(k=self.k)
+        if self.method == "autocut":
+            return AutocutSelector(jumps=self.jumps, max_k=self.max_k)
+        return TopPSelector(p=self.p, temperature=self.temperature, max_k=self.max_k)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    chunker: str = "sage"  # sage | fixed | fixed_sentence | semantic_percentile
+    segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
+    embedder: str = "sentence-transformers/all-MiniLM-L6-v2"
+    index: IndexConfig = field(default_factory=IndexConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+
+    def __post_init__(self) -> None:
+        if self.chunker not in ("sage", "fixed", "fixed_sentence", "semantic_percentile"):
+            raise ValueError(f"chunker must be sage, fixed, fixed_sentence or semantic_percentile; got {self.chunker!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EngineConfig":
+        if not isinstance(data, dict):
+            raise ValueError("an engine config must be a mapping")
+        nested = {"segmenter": SegmenterConfig, "index": IndexConfig, "retrieval": RetrievalConfig,
+                  "selection": SelectionConfig}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config keys: {sorted(unknown)}")
+        kwargs = {}
+        for key, value in data.items():
+            if key in nested:
+                sub = nested[key]
+                sub_known = {f.name for f in dataclasses.fields(sub)}
+                if not isinstance(value, dict) or set(value) - sub_known:
+                    raise ValueError(f"unknown keys in {key}: {sorted(set(value) - sub_known)}"
+                                     if isinstance(value, dict) else f"{key} must be a mapping")
+                kwargs[key] = sub(**value)
+            else:
+                kwargs[key] = value
+        return cls(**kwargs)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        data = self.to_dict()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            text = yaml.safe_dump(data, sort_keys=False)
+        else:
+            text = json.dumps(data, indent=2) + "\n"
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "EngineConfig":
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            return cls.from_dict(yaml.safe_load(text))
+        return cls.from_dict(json.loads(text))

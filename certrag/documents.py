@@ -1,0 +1,100 @@
+"""Documents in: strings, files, folders of text/markdown, and JSONL with id, text and metadata."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _from_jsonl(path: Path) -> list[Document]:
+    docs = []
+    for line_no, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ValueError(f"{path}:{line_no}: each line needs a string field 'text'")
+        doc_id = row.get("id")
+        if doc_id is None:
+            raise ValueError(f"{path}:{line_no}: each line needs an 'id'")
+        metadata = row.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise ValueError(f"{path}:{line_no}: 'metadata' must be an object")
+        docs.append(Document(id=str(doc_id), text=row["text"], metadata=metadata))
+    return docs
+
+
+def _from_path(path: Path, root: Path | None = None) -> list[Document]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + (".jsonl",))
+        out = []
+        for f in files:
+            out += _from_path(f, path)
+        return out
+    if not path.exists():
+        raise FileNotFoundError(f"no such file or folder: {path}")
+    if path.suffix.lower() == ".jsonl":
+        return _from_jsonl(path)
+    name = str(path.relative_to(root)) if root is not None else path.name
+    return [Document(id=name, text=_read_text(path), metadata={"source": str(path)})]
+
+
+def load_documents(documents: object) -> list[Document]:
+    """Normalises what users pass to Engine.build / Engine.add into Documents.
+
+    Accepted: a path (str or os.PathLike naming an existing file or folder), a Document, a dict with 'text' (and
+    optionally 'id', 'metadata'), a plain string of text, or a list of any of these. Plain strings that are not
+    existing paths are document texts; their id is the first 16 hex digits of their SHA-256.
+    """
+    if isinstance(documents, (str, os.PathLike, Document, dict)):
+        documents = [documents]
+    if not isinstance(documents, Iterable):
+        raise TypeError(f"documents must be text, paths, dicts or Documents; got {type(documents).__name__}")
+    out: list[Document] = []
+    for i, item in enumerate(documents):
+        if isinstance(item, Document):
+            out.append(item)
+        elif isinstance(item, os.PathLike):
+            out += _from_path(Path(item))
+        elif isinstance(item, str):
+            if len(item) < 4096 and "\n" not in item and Path(item).exists():
+                out += _from_path(Path(item))
+            else:
+                out.append(Document(id=hashlib.sha256(item.encode()).hexdigest()[:16], text=item))
+        elif isinstance(item, dict):
+            if not isinstance(item.get("text"), str):
+                raise ValueError(f"documents[{i}] needs a string 'text'")
+            doc_id = item.get("id", hashlib.sha256(item["text"].encode()).hexdigest()[:16])
+            out.append(Document(id=str(doc_id), text=item["text"], metadata=dict(item.get("metadata") or {})))
+        else:
+            raise TypeError(f"documents[{i}] must be text, a path, a dict or a Document; got {type(item).__name__}")
+    seen = set()
+    for d in out:
+        if d.id in seen:
+            raise ValueError(f"document id {d.id!r} appears more than once")
+        seen.add(d.id)
+    return out

@@ -1,0 +1,334 @@
+"""The Engine: documents in, a persistent store on disk, and for each question a ranked, reranked and adaptively cut
+set of chunks. Stages are small objects (chunker, embedder, index, reranker, selector) composed here."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from certrag.config import EngineConfig
+from certrag.documents import Document, load_documents
+from certrag.index import HnswIndex
+from certrag.select import positive_scores
+from certrag.store import StoreData, StoreError, StoreLock, read_store, write_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """Candidates for one question, best first (reranked order when a reranker ran), and how many were selected.
+
+    chunk_ids: int64 (n,); dense_scores: float32 (n,) cosine similarities from the index; rerank_scores: float32
+    (n,) fused reranker logits, NaN when no reranker ran; selected: the first `selected` candidates form the
+    context; trace: per-stage latency in milliseconds and what ran.
+    """
+
+    question: str
+    chunk_ids: np.ndarray
+    doc_ids: tuple[str, ...]
+    texts: tuple[str, ...]
+    dense_scores: np.ndarray
+    rerank_scores: np.ndarray
+    selected: int
+    trace: dict = field(default_factory=dict)
+
+    @property
+    def selected_chunk_ids(self) -> np.ndarray:
+        return self.chunk_ids[: self.selected]
+
+    @property
+    def selected_texts(self) -> tuple[str, ...]:
+        return self.texts[: self.selected]
+
+    def to_dict(self) -> dict:
+        return {"question": self.question, "selected": self.selected, "trace": self.trace,
+                "candidates": [{"chunk_id": int(c), "doc_id": d, "dense_score": float(s),
+                                "rerank_score": None if np.isnan(r) else float(r), "selected": i < self.selected,
+                                "text": t}
+                               for i, (c, d, t, s, r) in enumerate(zip(self.chunk_ids, self.doc_ids, self.texts,
+                                                                        self.dense_scores, self.rerank_scores))]}
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    documents: int
+    chunks: int
+    skipped_empty: tuple[str, ...]
+    seconds: float
+
+
+class Engine:
+    """Open with Engine.build(...) or Engine.open(...); use as a context manager or call close()."""
+
+    def __init__(self, path: Path, data: StoreData, config: EngineConfig, *, read_only: bool, embedder=None,
+                 reranker=None, lock: StoreLock | None = None) -> None:
+        self.path = path
+        self.config = config
+        self.read_only = read_only
+        self._data = data
+        self._lock = lock
+        self._embedder = embedder
+        self._reranker = reranker
+        self._chunker = None
+        self._position = {int(c): i for i, c in enumerate(data.ids)}
+        self.last_report: BuildReport | None = None
+
+    # ------------------------------------------------------------------------------------------- construction
+
+    @classmethod
+    def build(cls, documents: object, path: str | Path, config: EngineConfig | None = None, *,
+              embedder=None, reranker=None, overwrite: bool = False, progress: bool = True) -> "Engine":
+        """Indexes documents into a new store at path and returns the open engine."""
+        path = Path(path)
+        config = config or EngineConfig()
+        if (path / "CURRENT").exists() and not overwrite:
+            raise StoreError(f"{path} already holds a store; open it with Engine.open(...).add(...) or pass "
+                             "overwrite=True")
+        if path.exists() and not path.is_dir():
+            raise StoreError(f"{path} exists and is not a folder")
+        docs = load_documents(documents)
+        path.mkdir(parents=True, exist_ok=True)
+        lock = StoreLock(path)
+        try:
+            embedder = embedder or cls._default_embedder(config)
+            reranker = cls._resolve_reranker(config, reranker)
+            index = HnswIndex(embedder.dim, config.index.metric, config.index.M, config.index.ef_construction)
+            data = StoreData(config=config.to_dict(), models=cls._models(embedder, reranker), chunks=[],
+                             documents={}, ids=np.zeros(0, np.int64), vectors=np.zeros((0, embedder.dim), np.float32),
+                             index=index)
+            engine = cls(path, data, config, read_only=False, embedder=embedder, reranker=reranker, lock=lock)
+            engine._ingest(docs, progress)
+            return engine
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def open(cls, path: str | Path, read_only: bool = False, *, embedder=None, reranker=None,
+             verify: bool = True) -> "Engine":
+        """Opens an existing store. verify=False skips the SHA-256 check of every file (sizes are still checked)."""
+        from certrag.store import current_version
+
+        path = Path(path)
+        current_version(path)  # a clear error for a missing or foreign folder, before any lock file is made
+        lock = None if read_only else StoreLock(path)
+        try:
+            data = read_store(path, verify=verify, mmap=read_only)
+            config = EngineConfig.from_dict(data.config)
+            embedder = embedder or cls._default_embedder(config)
+            if data.models.get("embedder") != embedder.name or data.index.dim != embedder.dim:
+                raise StoreError(f"{path} was built with the embedder {data.models.get('embedder')!r} "
+                                 f"({data.index.dim}-d); this engine has {embedder.name!r} ({embedder.dim}-d)")
+            reranker = cls._resolve_reranker(config, reranker)
+            return cls(path, data, config, read_only=read_only, embedder=embedder, reranker=reranker, lock=lock)
+        except BaseException:
+            if lock:
+                lock.release()
+            raise
+
+    @staticmethod
+    def _default_embedder(config: EngineConfig):
+        from certrag.embed import DEFAULT_MODEL, Embedder
+
+        if config.embedder != DEFAULT_MODEL:
+            raise ValueError(f"embedder {config.embedder!r} is not bundled; pass an Embedder instance")
+        return Embedder.default()
+
+    @staticmethod
+    def _resolve_reranker(config: EngineConfig, reranker):
+        if not config.retrieval.rerank:
+            return None
+        if reranker is not None:
+            return reranker
+        from certrag.rerank import CrossEncoderReranker
+
+        return CrossEncoderReranker.default()
+
+    @staticmethod
+    def _models(embedder, reranker) -> dict:
+        return {"embedder": embedder.name, "dim": embedder.dim,
+                "reranker": getattr(reranker, "name", None) if reranker is not None else None}
+
+    def close(self) -> None:
+        if self._lock:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------ writing
+
+    @property
+    def chunker(self):
+        if self._chunker is None:
+            from certrag.segment import make_chunker
+
+            seg = self.config.segmenter
+            if self.config.chunker == "sage":
+                from certrag.segment import Segmenter
+
+                self._chunker = Segmenter(embedder=self._embedder, config=seg)
+            else:
+                self._chunker = make_chunker(self.config.chunker, min_tokens=seg.min_tokens,
+                                             max_tokens=seg.max_tokens, embedder=self._embedder)
+        return self._chunker
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise StoreError(f"{self.path} is open read-only")
+        if self._lock is None:
+            raise StoreError(f"{self.path} is closed")
+
+    def _ingest(self, docs: list[Document], progress: bool) -> BuildReport:
+        from tqdm.auto import tqdm
+
+        started = time.perf_counter()
+        data = self._data
+        clash = [d.id for d in docs if d.id in data.documents]
+        if clash:
+            raise ValueError(f"documents already in the store: {clash[:5]}{' ...' if len(clash) > 5 else ''}; "
+                             "remove them first")
+        skipped = tuple(d.id for d in docs if not d.text.strip())
+        for doc_id in skipped:
+            log.warning("skipping empty document %r", doc_id)
+        docs = [d for d in docs if d.text.strip()]
+        new_chunks, new_docs = [], {}
+        next_id = data.next_chunk_id
+        for doc in tqdm(docs, desc="segmenting", unit="doc", disable=not progress or len(docs) < 2):
+            ids = []
+            for c in self.chunker.split(doc.text):
+                new_chunks.append({"id": next_id, "doc_id": doc.id, "start": c.start, "end": c.end,
+                                   "n_tokens": c.n_tokens, "text": c.text})
+                ids.append(next_id)
+                next_id += 1
+            new_docs[doc.id] = {"metadata": doc.metadata, "chunk_ids": ids, "characters": len(doc.text)}
+        texts = [c["text"] for c in new_chunks]
+        vectors = np.zeros((0, self._embedder.dim), np.float32)
+        if texts:
+            batch = 512
+            parts = [self._embedder.embed(texts[i:i + batch])
+                     for i in tqdm(range(0, len(texts), batch), desc="embedding", unit="batch",
+                                   disable=not progress or len(texts) <= batch)]
+            vectors = np.concatenate(parts)
+        ids = np.array([c["id"] for c in new_chunks], dtype=np.int64)
+        if len(ids):
+            data.index.add(vectors, ids)
+        data.chunks += new_chunks
+        data.documents.update(new_docs)
+        data.ids = np.concatenate([data.ids, ids])
+        data.vectors = np.concatenate([data.vectors, vectors]) if len(vectors) else data.vectors
+        data.next_chunk_id = next_id
+        write_store(self.path, data)
+        self._position = {int(c): i for i, c in enumerate(data.ids)}
+        report = BuildReport(documents=len(docs), chunks=len(new_chunks), skipped_empty=skipped,
+                             seconds=time.perf_counter() - started)
+        self.last_report = report
+        return report
+
+    def add(self, documents: object, progress: bool = True) -> BuildReport:
+        """Segments, embeds and indexes new documents, then writes a new store version atomically."""
+        self._writable()
+        return self._ingest(load_documents(documents), progress)
+
+    def remove(self, doc_ids: Sequence[str] | str) -> int:
+        """Removes documents and their chunks; returns how many chunks went. Unknown ids raise ValueError."""
+        self._writable()
+        if isinstance(doc_ids, str):
+            doc_ids = [doc_ids]
+        doc_ids = list(dict.fromkeys(doc_ids))
+        unknown = [d for d in doc_ids if d not in self._data.documents]
+        if unknown:
+            raise ValueError(f"unknown document ids: {unknown[:5]}")
+        data = self._data
+        gone = {cid for d in doc_ids for cid in data.documents[d]["chunk_ids"]}
+        data.index.remove(np.array(sorted(gone), dtype=np.int64))
+        keep = np.array([int(c) not in gone for c in data.ids], dtype=bool)
+        data.chunks = [c for c, k in zip(data.chunks, keep) if k]
+        data.ids, data.vectors = data.ids[keep], data.vectors[keep]
+        for d in doc_ids:
+            del data.documents[d]
+        write_store(self.path, data)
+        self._position = {int(c): i for i, c in enumerate(data.ids)}
+        return len(gone)
+
+    # ------------------------------------------------------------------------------------------------ reading
+
+    def __len__(self) -> int:
+        return len(self._data.chunks)
+
+    @property
+    def documents(self) -> list[str]:
+        return list(self._data.documents)
+
+    def chunk(self, chunk_id: int) -> dict:
+        return dict(self._data.chunks[self._position[int(chunk_id)]])
+
+    def info(self) -> dict:
+        m = self._data.manifest
+        return {"path": str(self.path), "format_version": m.get("format_version"), "written": m.get("written"),
+                "documents": len(self._data.documents), "chunks": len(self._data.chunks),
+                "models": self._data.models, "config": self.config.to_dict(),
+                "index": {k: v for k, v in self._data.index.stats().items() if k != "nodes_per_level"}}
+
+    def retrieve(self, question: str | Sequence[str], *, candidates: int | None = None,
+                 selector=None) -> "Retrieval | list[Retrieval]":
+        """Embeds, searches, reranks and selects. A string gives one Retrieval; a list gives a list, run batched.
+
+        candidates overrides config.retrieval.candidates (N); selector overrides the configured selector. Asking
+        for more candidates than the store holds returns what it has.
+        """
+        single = isinstance(question, str)
+        questions = [question] if single else list(question)
+        for i, q in enumerate(questions):
+            if not isinstance(q, str) or not q.strip():
+                raise ValueError(f"question{'' if single else f'[{i}]'} must be a non-empty string")
+        n_cand = candidates if candidates is not None else self.config.retrieval.candidates
+        if isinstance(n_cand, bool) or not isinstance(n_cand, int) or n_cand < 1:
+            raise ValueError(f"candidates must be a positive integer; got {n_cand!r}")
+        selector = selector or self.config.selection.make()
+        if not questions:
+            return []
+        t0 = time.perf_counter()
+        q_vec = self._embedder.embed(questions)
+        t1 = time.perf_counter()
+        k = max(1, min(n_cand, len(self._data.index)))
+        ef = max(self.config.index.ef_search, k)
+        found = self._data.index.search(q_vec, k=k, ef=ef)
+        t2 = time.perf_counter()
+        embed_ms, search_ms = (t1 - t0) * 1e3 / len(questions), (t2 - t1) * 1e3 / len(questions)
+        out = []
+        for qi, q in enumerate(questions):
+            valid = found.ids[qi] >= 0
+            ids, dense = found.ids[qi][valid], found.scores[qi][valid]
+            chunks = [self._data.chunks[self._position[int(c)]] for c in ids]
+            texts = [c["text"] for c in chunks]
+            t3 = time.perf_counter()
+            if self._reranker is not None and len(ids):
+                rerank = self._reranker.score(q, texts, dense).astype(np.float32)
+                order = np.argsort(-rerank, kind="stable")
+                positive = positive_scores(rerank[order], "logit")
+            else:
+                rerank = np.full(len(ids), np.nan, dtype=np.float32)
+                order = np.arange(len(ids))
+                positive = positive_scores(dense, "cosine")
+            t4 = time.perf_counter()
+            selected = selector.select(positive)
+            t5 = time.perf_counter()
+            out.append(Retrieval(
+                question=q, chunk_ids=ids[order], doc_ids=tuple(chunks[i]["doc_id"] for i in order),
+                texts=tuple(texts[i] for i in order), dense_scores=dense[order], rerank_scores=rerank[order],
+                selected=int(selected),
+                trace={"embed_ms": embed_ms, "search_ms": search_ms, "rerank_ms": (t4 - t3) * 1e3,
+                       "select_ms": (t5 - t4) * 1e3, "candidates": int(len(ids)),
+                       "reranker": getattr(self._reranker, "name", None), "selector": selector.name}))
+        return out[0] if single else out

@@ -1,0 +1,85 @@
+"""The cross-encoder reranker, fused with the dense score it reranks.
+
+score(q, p) = ce(q, p) + dense_weight * cos(q, p)
+
+ce is a BERT cross-encoder over "[CLS] q [SEP] p [SEP]" with one output logit, started from the bundled MiniLM
+weights and trained by certrag (``certrag train-reranker``) with its output layer at zero and dense_weight learned,
+so that training starts from the bi-encoder's own ranking and can only move away from it where the data says so.
+The weights ship in the package as half-precision safetensors with a card (data, steps, held-out metrics).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+PACKAGE_RERANKER = Path(__file__).resolve().parent / "reranker"
+
+
+class CrossEncoderReranker:
+    def __init__(self, model_dir: str | os.PathLike = PACKAGE_RERANKER, *, max_length: int = 256,
+                 batch_size: int = 32) -> None:
+        from certrag.embed import _import_torch
+
+        torch = _import_torch()
+        from tokenizers import Tokenizer
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").exists():
+            raise FileNotFoundError(f"no reranker at {self.model_dir}; train one with `certrag train-reranker`")
+        card_path = self.model_dir / "card.json"
+        self.card = json.loads(card_path.read_text()) if card_path.exists() else {}
+        self.dense_weight = float(self.card.get("dense_weight", 0.0))
+        self.name = self.card.get("name", str(self.model_dir))
+        config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+        self._model = AutoModelForSequenceClassification.from_pretrained(
+            str(self.model_dir), config=config, local_files_only=True, torch_dtype=torch.float32).eval()
+        self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self._tokenizer.enable_truncation(max_length, strategy="only_second")
+        self._tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+        self._torch = torch
+        self.batch_size = batch_size
+        self._lock = threading.Lock()
+
+    @classmethod
+    def default(cls) -> "CrossEncoderReranker":
+        return _default_reranker()
+
+    def cross_scores(self, questions: list[str], passages: list[str]) -> np.ndarray:
+        """ce(q_i, p_i) for aligned lists: float32 (n,)."""
+        if len(questions) != len(passages):
+            raise ValueError("questions and passages must have the same length")
+        out = np.zeros(len(passages), dtype=np.float32)
+        torch = self._torch
+        with self._lock, torch.inference_mode():
+            for start in range(0, len(passages), self.batch_size):
+                enc = self._tokenizer.encode_batch(
+                    list(zip(questions[start:start + self.batch_size], passages[start:start + self.batch_size])))
+                ids = torch.tensor([e.ids for e in enc])
+                mask = torch.tensor([e.attention_mask for e in enc])
+                types = torch.tensor([e.type_ids for e in enc])
+                logits = self._model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+                out[start:start + len(enc)] = logits[:, 0].float().numpy()
+        return out
+
+    def score(self, question: str, passages: list[str], dense_scores: np.ndarray) -> np.ndarray:
+        """Fused rerank scores (logits) of passages for one question: float32 (n,)."""
+        dense = np.asarray(dense_scores, dtype=np.float32)
+        if dense.shape != (len(passages),):
+            raise ValueError(f"dense_scores must have shape ({len(passages)},); got {dense.shape}")
+        if not passages:
+            return np.zeros(0, dtype=np.float32)
+        return self.cross_scores([question] * len(passages), passages) + self.dense_weight * dense
+
+
+@lru_cache(maxsize=1)
+def _default_reranker() -> CrossEncoderReranker:
+    return CrossEncoderReranker()

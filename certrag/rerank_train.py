@@ -1,0 +1,205 @@
+"""Training the fused cross-encoder reranker (certrag.rerank) on the NQ-open train split.
+
+Data: for each train-split question (DESIGN.md's split; never calibration or test), the gold passage is the positive
+and hard negatives are the bi-encoder's top-ranked other passages of a mining corpus (the train split's gold passages
+plus 10k Wikipedia leads), skipping any that contain a gold answer string (likely false negatives). A slice of the
+train questions (by stable hash) is kept aside to choose the epoch; held-out metrics are measured on it.
+
+Model: BertForSequenceClassification (one logit) started from the bundled MiniLM encoder; its output layer starts at
+zero and the fused score ce + w * cos starts with w = w0, so step 0 ranks exactly like the bi-encoder. Loss: softmax
+cross-entropy over each group (positive first, then negatives) of fused scores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import string
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def _normalise(text: str) -> str:
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def _holdout(question: str, fraction: float) -> bool:
+    x = int.from_bytes(hashlib.sha256(("rerank-val:" + question).encode()).digest()[:8], "big") / 2**64
+    return x < fraction
+
+
+def mrr_at_10(score_lists: list[np.ndarray], gold_positions: list[int]) -> float:
+    """Mean reciprocal rank (cut at 10) of the gold candidate, given each question's candidate scores."""
+    total = 0.0
+    for scores, gold in zip(score_lists, gold_positions):
+        if gold < 0:
+            continue
+        rank = int(np.sum(scores > scores[gold])) + 1
+        total += 1.0 / rank if rank <= 10 else 0.0
+    return total / max(1, len(score_lists))
+
+
+def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: int = 30, epochs: int = 2,
+                   lr: float = 3e-5, max_length: int = 192, dense_weight: float = 20.0, val_fraction: float = 0.15,
+                   seed: int = 0, max_questions: int | None = None, time_budget_s: float | None = None,
+                   progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from certrag.embed import Embedder, EmbeddingCache, _import_torch, default_model_dir
+    from certrag.eval.corpus import wiki_leads
+    from certrag.eval.nq import load_nq_open, passage_text
+    from certrag.segment.train import cache_dir
+
+    torch = _import_torch()
+    from tokenizers import Tokenizer
+    from transformers import BertConfig, BertForSequenceClassification
+
+    started = time.time()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    embedder = Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    train = load_nq_open(split="train")
+    if max_questions:
+        train = train[:max_questions]
+    corpus = sorted({it.gold_text for it in train} | {passage_text(t, x) for t, x, _ in wiki_leads()})
+    log.info("mining corpus: %d passages; %d train questions", len(corpus), len(train))
+    corpus_emb = embedder.embed(corpus)
+    q_emb = embedder.embed([it.question for it in train])
+    position = {t: i for i, t in enumerate(corpus)}
+
+    groups, val = [], []
+    for it, q in zip(train, q_emb):
+        scores = corpus_emb @ q
+        top = np.argsort(-scores)[:candidates]
+        gold = position[it.gold_text]
+        answers = [_normalise(a) for a in it.answers if _normalise(a)]
+        if _holdout(it.question, val_fraction):
+            cand = list(top) if gold in top else list(top[:-1]) + [gold]
+            val.append((it.question, [corpus[i] for i in cand], scores[cand].astype(np.float32), cand.index(gold)))
+            continue
+        negs = [i for i in top if i != gold and not any(a in _normalise(corpus[i]) for a in answers)]
+        if not negs:
+            continue
+        chosen = negs[:negatives]
+        groups.append((it.question, [corpus[gold]] + [corpus[i] for i in chosen],
+                       np.array([scores[gold]] + [scores[i] for i in chosen], dtype=np.float32)))
+    log.info("%d training groups, %d validation questions", len(groups), len(val))
+
+    base = default_model_dir()
+    config = BertConfig.from_pretrained(str(base), num_labels=1, local_files_only=True)
+    model = BertForSequenceClassification.from_pretrained(str(base), config=config, local_files_only=True)
+    with torch.no_grad():
+        model.classifier.weight.zero_()
+        model.classifier.bias.zero_()
+    w = torch.nn.Parameter(torch.tensor(float(dense_weight)))
+    tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
+    tokenizer.enable_truncation(max_length, strategy="only_second")
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+
+    def forward(question: str, passages: list[str]):
+        enc = tokenizer.encode_batch([(question, p) for p in passages])
+        ids = torch.tensor([e.ids for e in enc])
+        mask = torch.tensor([e.attention_mask for e in enc])
+        types = torch.tensor([e.type_ids for e in enc])
+        return model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits[:, 0]
+
+    def evaluate() -> tuple[float, float]:
+        model.eval()
+        fused, dense = [], []
+        with torch.inference_mode():
+            for q, passages, dscores, _ in val:
+                ce = forward(q, passages).numpy()
+                fused.append(ce + float(w) * dscores)
+                dense.append(dscores)
+        model.train()
+        golds = [g for *_, g in val]
+        return mrr_at_10(fused, golds), mrr_at_10(dense, golds)
+
+    opt = torch.optim.AdamW([{"params": model.parameters(), "lr": lr}, {"params": [w], "lr": 1e-2}],
+                            weight_decay=0.01)
+    total_steps = epochs * len(groups)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / max(1, total_steps // 10)) * max(0.0, 1 - step / max(1, total_steps)))
+    mrr0, dense_mrr = evaluate()
+    history = [{"step": 0, "val_mrr10": mrr0, "dense_mrr10": dense_mrr, "dense_weight": float(w)}]
+    best = (mrr0, 0, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w))
+    log.info("step 0: validation MRR@10 %.4f (bi-encoder %.4f)", mrr0, dense_mrr)
+    step, stopped = 0, False
+    model.train()
+    for epoch in range(epochs):
+        rng.shuffle(groups)
+        bar = tqdm(groups, desc=f"reranker epoch {epoch + 1}/{epochs}", disable=not progress)
+        running = 0.0
+        for q, passages, dscores in bar:
+            scores = forward(q, passages) + w * torch.from_numpy(dscores)
+            loss = torch.nn.functional.cross_entropy(scores[None, :], torch.zeros(1, dtype=torch.long))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            running = 0.98 * running + 0.02 * float(loss.detach()) if step > 1 else float(loss.detach())
+            bar.set_postfix(loss=round(running, 4), w=round(float(w), 2))
+            if time_budget_s and time.time() - started > time_budget_s:
+                stopped = True
+                break
+        mrr, _ = evaluate()
+        history.append({"step": step, "epoch": epoch + 1, "val_mrr10": mrr, "dense_weight": float(w),
+                        "train_loss_ema": running})
+        log.info("epoch %d: validation MRR@10 %.4f (bi-encoder %.4f)", epoch + 1, mrr, dense_mrr)
+        if mrr > best[0]:
+            best = (mrr, step, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w))
+        if stopped:
+            break
+
+    model.load_state_dict(best[2])
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.half().save_pretrained(str(tmp), safe_serialization=True)
+    shutil.copy(base / "tokenizer.json", tmp / "tokenizer.json")
+    card = {
+        "name": "certrag-minilm-cross-encoder",
+        "kind": "cross-encoder reranker fused with the dense score: ce(q, p) + dense_weight * cos(q, p)",
+        "base_model": "sentence-transformers/all-MiniLM-L6-v2 (encoder weights; new output layer, zero-initialised)",
+        "dense_weight": best[3],
+        "data": {"source": "NQ-open train split (certrag.eval.nq.split_of)", "groups": len(groups),
+                 "negatives_per_group": negatives, "mined_from_top": candidates,
+                 "mining_corpus": f"{len(corpus)} passages: train-split gold passages + Wikipedia leads",
+                 "false_negative_filter": "negatives containing a gold answer string are skipped",
+                 "validation_questions": len(val), "validation_rule": f"sha256('rerank-val:' + q) < {val_fraction}"},
+        "training": {"optimizer": "AdamW", "lr": lr, "dense_weight_lr": 1e-2, "warmup": "10% linear, then linear decay",
+                     "epochs": epochs, "steps": step, "selected_step": best[1], "max_length": max_length,
+                     "loss": "softmax cross-entropy over each group", "seed": seed,
+                     "stopped_by_time_budget": stopped},
+        "held_out": {"mrr10_reranker": best[0], "mrr10_bi_encoder": dense_mrr,
+                     "note": "validation questions from the train split, never calibration or test"},
+        "history": history,
+        "dtype": "float16",
+        "seconds": round(time.time() - started, 1),
+        "remake": f"certrag train-reranker --out {out} --epochs {epochs} --negatives {negatives} --seed {seed}",
+    }
+    (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+    return card

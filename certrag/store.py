@@ -1,0 +1,204 @@
+"""The on-disk store: one directory, versioned, written atomically.
+
+    DIR/CURRENT            the name of the live version folder (replaced by rename)
+    DIR/v000007/           one complete version:
+        manifest.json      format version, config, model names, counts, and SHA-256 of every other file
+        chunks.jsonl       one chunk per line: id, doc_id, start, end, n_tokens, text
+        documents.jsonl    one document per line: id, metadata, chunk ids, characters
+        embeddings.safetensors   ids int64 (n,), vectors float32 (n, d), aligned with chunks.jsonl
+        index.hnsw         the native index (its own header and checksums)
+    DIR/.lock              held (flock) by a writable Engine
+
+A write builds a complete new version folder under a temporary name, fsyncs it, renames it into place and then
+swaps CURRENT by rename; a crash or a kill at any point leaves the previous version readable. Old versions are
+deleted after the swap.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from certrag.index import HnswIndex
+
+FORMAT_VERSION = 1
+FILES = ("chunks.jsonl", "documents.jsonl", "embeddings.safetensors", "index.hnsw")
+
+
+class StoreError(ValueError):
+    """A store that is missing, damaged, incompatible or locked."""
+
+
+@dataclass
+class StoreData:
+    config: dict
+    models: dict
+    chunks: list[dict]
+    documents: dict[str, dict]
+    ids: np.ndarray  # int64 (n,), chunk ids aligned with chunks and vectors
+    vectors: np.ndarray  # float32 (n, d)
+    index: HnswIndex
+    next_chunk_id: int = 0
+    manifest: dict = field(default_factory=dict)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class StoreLock:
+    """An exclusive advisory lock on DIR/.lock for the lifetime of a writable engine."""
+
+    def __init__(self, root: Path) -> None:
+        self._fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise StoreError(f"{root} is open for writing elsewhere; open it with read_only=True") from None
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def current_version(root: Path) -> Path:
+    pointer = root / "CURRENT"
+    if not root.is_dir():
+        raise StoreError(f"no store at {root}")
+    if not pointer.exists():
+        raise StoreError(f"{root} is not a certrag store (no CURRENT file)")
+    name = pointer.read_text().strip()
+    if not name or "/" in name or name.startswith("."):
+        raise StoreError(f"{root}/CURRENT is damaged")
+    version = root / name
+    if not version.is_dir():
+        raise StoreError(f"{root}/CURRENT names {name}, which is missing: the store is damaged")
+    return version
+
+
+def write_store(root: Path, data: StoreData) -> Path:
+    """Writes data as a new version of the store at root and makes it current."""
+    from safetensors.numpy import save
+
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-v*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    existing = sorted(p.name for p in root.glob("v[0-9]*") if p.is_dir())
+    number = int(existing[-1][1:7]) + 1 if existing else 1
+    name = f"v{number:06d}"
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        chunks = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in data.chunks).encode()
+        _write(tmp / "chunks.jsonl", chunks)
+        docs = "".join(json.dumps({"id": k, **v}, ensure_ascii=False) + "\n" for k, v in data.documents.items())
+        _write(tmp / "documents.jsonl", docs.encode())
+        vectors = data.vectors if len(data.vectors) else np.zeros((0, data.index.dim), np.float32)
+        _write(tmp / "embeddings.safetensors",
+               save({"ids": np.ascontiguousarray(data.ids, dtype=np.int64),
+                     "vectors": np.ascontiguousarray(vectors, dtype=np.float32)}))
+        data.index.save(tmp / "index.hnsw")
+        manifest = {
+            "format": "certrag-store",
+            "format_version": FORMAT_VERSION,
+            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "config": data.config,
+            "models": data.models,
+            "counts": {"documents": len(data.documents), "chunks": len(data.chunks),
+                       "dim": int(data.index.dim)},
+            "next_chunk_id": int(data.next_chunk_id),
+            "files": {f: {"sha256": _sha256(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES},
+        }
+        for key, value in data.manifest.items():
+            if key not in manifest:
+                manifest[key] = value
+        _write(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+        _fsync_dir(tmp)
+        tmp.rename(root / name)
+        _fsync_dir(root)
+        pointer_tmp = root / f".CURRENT.tmp-{os.getpid()}"
+        _write(pointer_tmp, (name + "\n").encode())
+        os.replace(pointer_tmp, root / "CURRENT")
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in existing:
+        shutil.rmtree(root / old, ignore_errors=True)
+    data.manifest = manifest
+    return root / name
+
+
+def read_store(root: Path, *, verify: bool = True, mmap: bool = False) -> StoreData:
+    """Opens the current version, checking the format version and (with verify) every file's SHA-256."""
+    from safetensors.numpy import load_file
+
+    version = current_version(root)
+    try:
+        manifest = json.loads((version / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StoreError(f"{version}/manifest.json is unreadable: {exc}") from None
+    if manifest.get("format") != "certrag-store":
+        raise StoreError(f"{root} is not a certrag store")
+    fv = manifest.get("format_version")
+    if not isinstance(fv, int) or fv < 1:
+        raise StoreError(f"{root}: invalid format version {fv!r}")
+    if fv > FORMAT_VERSION:
+        raise StoreError(f"{root} was written by a newer certrag (store format {fv}); this build reads up to "
+                         f"{FORMAT_VERSION}: upgrade certrag")
+    for f in FILES:
+        path = version / f
+        if not path.exists():
+            raise StoreError(f"{root}: {f} is missing from {version.name}")
+        expected = manifest.get("files", {}).get(f, {})
+        if path.stat().st_size != expected.get("bytes"):
+            raise StoreError(f"{root}: {f} has the wrong size: the store is damaged")
+        if verify and _sha256(path) != expected.get("sha256"):
+            raise StoreError(f"{root}: {f} fails its checksum: the store is damaged")
+    try:
+        chunks = [json.loads(line) for line in (version / "chunks.jsonl").read_text().splitlines() if line]
+        documents = {}
+        for line in (version / "documents.jsonl").read_text().splitlines():
+            if line:
+                row = json.loads(line)
+                documents[row.pop("id")] = row
+        tensors = load_file(str(version / "embeddings.safetensors"))
+        index = HnswIndex.load(version / "index.hnsw", mmap=mmap)
+    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise StoreError(f"{root}: damaged store ({exc})") from None
+    ids, vectors = tensors["ids"], tensors["vectors"]
+    if not (len(chunks) == len(ids) == len(vectors) == len(index)):
+        raise StoreError(f"{root}: chunks, embeddings and index disagree on the count")
+    return StoreData(config=manifest["config"], models=manifest["models"], chunks=chunks, documents=documents,
+                     ids=ids, vectors=vectors, index=index, next_chunk_id=int(manifest.get("next_chunk_id", 0)),
+                     manifest=manifest)

@@ -1,0 +1,221 @@
+"""The Engine and its store, with the real embedder and real text (Wikipedia leads)."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig  # noqa: E402
+from certrag.engine import Engine  # noqa: E402
+from certrag.store import StoreError  # noqa: E402
+
+FAST = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8, rerank=False))
+
+
+@pytest.fixture(scope="module")
+def leads():
+    from certrag.eval.corpus import wiki_leads
+
+    rows = wiki_leads()[:40]
+    return [{"id": f"wiki:{t}", "text": f"{t}\n{x}", "metadata": {"description": d}} for t, x, d in rows]
+
+
+@pytest.fixture
+def store(tmp_path, leads):
+    engine = Engine.build(leads[:30], tmp_path / "store", FAST, progress=False)
+    yield engine, tmp_path / "store"
+    engine.close()
+
+
+def _consistent(engine):
+    data = engine._data
+    assert len(data.chunks) == len(data.ids) == len(data.vectors) == len(data.index)
+    assert sorted(data.index.ids().tolist()) == sorted(int(c["id"]) for c in data.chunks)
+    assert sum(len(d["chunk_ids"]) for d in data.documents.values()) == len(data.chunks)
+    np.testing.assert_allclose(data.index.get_vectors(data.ids[:5]), data.vectors[:5], atol=1e-6)
+
+
+def test_build_close_reopen_gives_identical_results(store, leads):
+    engine, path = store
+    questions = [leads[3]["metadata"]["description"] or "a topic", "Which country has the largest population?"]
+    before = engine.retrieve(questions)
+    engine.close()
+    for read_only in (True, False):
+        with Engine.open(path, read_only=read_only) as again:
+            after = again.retrieve(questions)
+            for a, b in zip(before, after):
+                np.testing.assert_array_equal(a.chunk_ids, b.chunk_ids)
+                np.testing.assert_array_equal(a.dense_scores, b.dense_scores)
+                assert a.texts == b.texts and a.selected == b.selected
+    _consistent(Engine.open(path, read_only=True))
+
+
+def test_retrieval_finds_the_described_article(store, leads):
+    engine, _ = store
+    hits = 0
+    for doc in leads[:30]:
+        r = engine.retrieve(doc["metadata"]["description"] or doc["id"][5:])
+        hits += doc["id"] in r.doc_ids[:3]
+        assert 1 <= r.selected <= len(r.chunk_ids) <= 8
+        assert np.all(np.diff(r.dense_scores) <= 1e-6)  # best first without a reranker
+        assert np.isnan(r.rerank_scores).all() and r.trace["reranker"] is None
+    assert hits >= 20
+
+
+def test_add_and_remove_keep_index_texts_and_embeddings_consistent(store, leads):
+    engine, path = store
+    new = leads[30]
+    question = new["metadata"]["description"] or new["id"][5:]
+    assert new["id"] not in engine.retrieve(question).doc_ids[:1]
+    engine.add([new], progress=False)
+    assert engine.retrieve(question).doc_ids[0] == new["id"]
+    _consistent(engine)
+    removed = engine.remove([new["id"], leads[0]["id"]])
+    assert removed >= 2
+    r = engine.retrieve(question, candidates=40)
+    assert new["id"] not in r.doc_ids and leads[0]["id"] not in r.doc_ids
+    _consistent(engine)
+    engine.close()
+    with Engine.open(path, read_only=True) as again:
+        assert new["id"] not in again.documents and len(again.documents) == 29
+        _consistent(again)
+    with pytest.raises(ValueError, match="unknown document ids"):
+        Engine.open(path).remove(["nope"])
+
+
+def test_bad_input_gives_clear_errors_or_documented_results(store, tmp_path, leads):
+    engine, path = store
+    with pytest.raises(ValueError, match="question must be a non-empty string"):
+        engine.retrieve("   ")
+    with pytest.raises(ValueError, match=r"question\[1\]"):
+        engine.retrieve(["ok", ""])
+    with pytest.raises(ValueError, match="candidates"):
+        engine.retrieve("x", candidates=0)
+    # More candidates than the store holds: what it has.
+    r = engine.retrieve("history", candidates=10_000)
+    assert len(r.chunk_ids) == len(engine) and r.trace["candidates"] == len(engine)
+    # Empty documents are skipped and reported.
+    report = engine.add([{"id": "empty", "text": "  \n "}, {"id": "x1", "text": "Paris is the capital of France."}],
+                        progress=False)
+    assert report.skipped_empty == ("empty",) and report.documents == 1 and "empty" not in engine.documents
+    with pytest.raises(ValueError, match="already in the store"):
+        engine.add([{"id": "x1", "text": "again"}], progress=False)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt is not UTF-8"):
+        engine.add([bad], progress=False)
+    with pytest.raises(StoreError, match="open for writing elsewhere"):
+        Engine.open(path)
+    with pytest.raises(StoreError, match="already holds a store"):
+        Engine.build(leads[:1], path, FAST)
+    with pytest.raises(StoreError, match="no store"):
+        Engine.open(tmp_path / "missing")
+    with pytest.raises(StoreError, match="not a certrag store"):
+        Engine.open(tmp_path)
+    engine.close()
+    with Engine.open(path, read_only=True) as ro:
+        with pytest.raises(StoreError, match="read-only"):
+            ro.add([{"id": "y", "text": "text"}])
+
+
+def _current(path):
+    return path / (path / "CURRENT").read_text().strip()
+
+
+def test_newer_or_damaged_stores_are_refused(store):
+    engine, path = store
+    engine.close()
+    manifest_path = _current(path) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["format_version"] = 99
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="newer certrag"):
+        Engine.open(path, read_only=True)
+    manifest["format_version"] = 1
+    manifest_path.write_text(json.dumps(manifest))
+    chunks = _current(path) / "chunks.jsonl"
+    data = bytearray(chunks.read_bytes())
+    data[10] ^= 0x01
+    chunks.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="fails its checksum"):
+        Engine.open(path, read_only=True)
+    (path / "CURRENT").write_text("v999999\n")
+    with pytest.raises(StoreError, match="missing"):
+        Engine.open(path, read_only=True)
+
+
+def test_a_kill_during_a_write_leaves_a_store_that_opens(tmp_path, leads):
+    path = tmp_path / "store"
+    Engine.build(leads[:5], path, FAST, progress=False).close()
+    docs = json.dumps(leads[5:40])
+    script = textwrap.dedent(f"""
+        import json, sys
+        from certrag.config import EngineConfig, RetrievalConfig
+        from certrag.engine import Engine
+        docs = json.loads({docs!r})
+        config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(rerank=False))
+        engine = Engine.open({str(path)!r})
+        print("ready", flush=True)
+        while True:
+            for d in docs:
+                engine.add([d], progress=False)
+            engine.remove([d["id"] for d in docs])
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(2.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with Engine.open(path) as engine:  # the lock died with the process
+        _consistent(engine)
+        assert 5 <= len(engine.documents) <= 40
+        engine.add([{"id": "after-kill", "text": "Written after the crash."}], progress=False)
+
+
+def test_config_round_trips_and_refuses_unknown_keys(tmp_path):
+    config = EngineConfig(selection=SelectionConfig(method="topk", k=3))
+    config.save(tmp_path / "c.json")
+    assert EngineConfig.load(tmp_path / "c.json") == config
+    with pytest.raises(ValueError, match="unknown config keys"):
+        EngineConfig.from_dict({"chunkr": "sage"})
+    with pytest.raises(ValueError, match="unknown keys in selection"):
+        EngineConfig.from_dict({"selection": {"gg": 2}})
+    with pytest.raises(ValueError, match="selection.method"):
+        SelectionConfig(method="best")
+    with pytest.raises(ValueError, match="g must be greater than 1"):
+        SelectionConfig(g=0.5)
+
+
+def test_cli_index_search_info(tmp_path, leads):
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps(d) + "\n" for d in leads[:10]))
+    cfg = tmp_path / "config.json"
+    FAST.save(cfg)
+    runner = CliRunner()
+    res = runner.invoke(main, ["index", str(src), "--store", str(tmp_path / "s"), "--config", str(cfg)])
+    assert res.exit_code == 0, res.output
+    assert "indexed 10 documents" in res.output
+    question = leads[2]["metadata"]["description"]
+    res = runner.invoke(main, ["search", str(tmp_path / "s"), question, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["candidates"][0]["doc_id"] == leads[2]["id"]
+    res = runner.invoke(main, ["info", str(tmp_path / "s"), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["documents"] == 10
+    res = runner.invoke(main, ["search", str(tmp_path / "nothing"), "q"])
+    assert res.exit_code != 0 and "no store" in res.output

@@ -1,0 +1,77 @@
+"""Selection rules against hand-computed cases."""
+
+import numpy as np
+import pytest
+
+from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector, positive_scores
+
+
+def test_gradient_selection_hand_computed():
+    sel = GradientSelector(min_k=1, g=1.5, max_k=10)
+    # 0.9 -> 0.8 (0.8 > 0.6 keep) -> 0.7 (> 0.533 keep) -> 0.3 (< 0.467 stop)
+    assert sel.select([0.9, 0.8, 0.7, 0.3, 0.29]) == 3
+    # A sharp drop right after the first: only min_k.
+    assert sel.select([0.9, 0.2, 0.19]) == 1
+    assert GradientSelector(min_k=2, g=1.5).select([0.9, 0.2, 0.19]) == 3  # min_k kept, then 0.19 > 0.2/1.5
+    # Exactly at the boundary: S[i] == S[i-1] / g is a drop (strict >).
+    assert sel.select([0.9, 0.6]) == 1
+    # Ties and a flat curve keep going until max_k.
+    assert sel.select([0.5] * 20) == 10
+    assert GradientSelector(max_k=3).select([0.5, 0.5, 0.5, 0.5]) == 3
+    # A single candidate, and none.
+    assert sel.select([0.4]) == 1 and sel.select([]) == 0
+    # min_k larger than the list.
+    assert GradientSelector(min_k=5, max_k=8).select([0.9, 0.1]) == 2
+
+
+def test_gradient_selection_on_negative_logits_through_the_sigmoid():
+    logits = np.array([-1.0, -1.2, -4.0])
+    s = positive_scores(logits, "logit")
+    np.testing.assert_allclose(s, 1 / (1 + np.exp(-logits)))
+    # sigmoid: 0.2689, 0.2315 (> 0.1793 keep), 0.0180 (< 0.1543 stop)
+    assert GradientSelector(g=1.5).select(s) == 2
+    with pytest.raises(ValueError, match="positive"):
+        GradientSelector().select(logits)
+
+
+def test_positive_scores_for_cosine():
+    np.testing.assert_allclose(positive_scores(np.array([1.0, 0.0, -1.0]), "cosine"), [1.0, 0.5, 1e-12])
+    with pytest.raises(ValueError, match="kind"):
+        positive_scores(np.array([1.0]), "dot")
+
+
+def test_topk_and_topp_hand_computed():
+    assert TopKSelector(k=3).select([0.9, 0.8, 0.7, 0.6]) == 3
+    assert TopKSelector(k=3).select([0.9]) == 1
+    # softmax of [2, 1, 0]: 0.665, 0.245, 0.090 -> cumulative 0.665, 0.910, 1.0
+    assert TopPSelector(p=0.6).select([2.0, 1.0, 0.0]) == 1
+    assert TopPSelector(p=0.9).select([2.0, 1.0, 0.0]) == 2
+    assert TopPSelector(p=0.95).select([2.0, 1.0, 0.0]) == 3
+    assert TopPSelector(p=0.5, max_k=2).select([1.0] * 10) == 2
+
+
+def test_autocut_hand_computed():
+    # Normalised: 1, 0.95, 0.9, 0.1, 0.05, 0 against the line 1, .8, .6, .4, .2, 0 -> gaps 0, .15, .3, -.3, -.15, 0
+    # The first local maximum of the gap is at index 2, the last point before the jump: keep three.
+    scores = [1.0, 0.95, 0.9, 0.1, 0.05, 0.0]
+    assert AutocutSelector(jumps=1).select(scores) == 3
+    # Two groups: gaps peak at index 1 and again at index 4; the second jump keeps five.
+    two = [1.0, 0.98, 0.6, 0.58, 0.56, 0.1, 0.0]
+    assert AutocutSelector(jumps=1).select(two) == 2 and AutocutSelector(jumps=2).select(two) == 5
+    assert AutocutSelector().select([0.7, 0.7, 0.7]) == 3  # flat: keep all
+    assert AutocutSelector().select([0.7]) == 1
+
+
+def test_bad_parameters_and_unsorted_scores():
+    with pytest.raises(ValueError, match="g must be greater than 1"):
+        GradientSelector(g=1.0)
+    with pytest.raises(ValueError, match="max_k"):
+        GradientSelector(min_k=3, max_k=2)
+    with pytest.raises(ValueError, match="min_k"):
+        GradientSelector(min_k=0)
+    with pytest.raises(ValueError, match="sorted"):
+        TopKSelector().select([0.1, 0.9])
+    with pytest.raises(ValueError, match="finite"):
+        TopKSelector().select([np.nan])
+    with pytest.raises(ValueError, match="p must be"):
+        TopPSelector(p=0)
