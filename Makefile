@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.certrag-installed
 BUILD_INPUTS := pyproject.toml setup.py CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: demo test bench-deps bench-index bench-segment train-segmenter clean
+.PHONY: demo test bench-deps bench-index bench-segment bench-retrieval train-segmenter train-reranker clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ bench-index: bench-deps
 bench-segment: bench-deps
 	$(PY) benchmarks/bench_pair_scorer.py
 	$(PY) benchmarks/bench_segmentation.py
+
+bench-retrieval: bench-deps
+	$(PY) benchmarks/bench_retrieval.py
+
+train-reranker: $(STAMP)
+	$(PY) -m certrag.cli train-reranker --out certrag/reranker
 
 train-segmenter: $(STAMP)
 	$(PY) -m certrag.cli train-segmenter --out certrag/segment/data/head.safetensors

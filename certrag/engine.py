@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 class Retrieval:
     """Candidates for one question, best first (reranked order when a reranker ran), and how many were selected.
 
-    chunk_ids: int64 (n,); dense_scores: float32 (n,) cosine similarities from the index; rerank_scores: float32
+    chunk_ids: int64 (n,); dense_scores: float32 (n,) cosine similarities (embeddings are unit vectors, so every
+    index metric maps to the cosine); rerank_scores: float32
     (n,) fused reranker logits, NaN when no reranker ran; selected: the first `selected` candidates form the
     context; trace: per-stage latency in milliseconds and what ran.
     """
@@ -310,6 +311,8 @@ class Engine:
         for qi, q in enumerate(questions):
             valid = found.ids[qi] >= 0
             ids, dense = found.ids[qi][valid], found.scores[qi][valid]
+            if self.config.index.metric == "l2":  # -|q - x|^2 of unit vectors is 2 cos - 2
+                dense = (1.0 + dense / 2.0).astype(np.float32)
             chunks = [self._data.chunks[self._position[int(c)]] for c in ids]
             texts = [c["text"] for c in chunks]
             t3 = time.perf_counter()

@@ -41,7 +41,7 @@ class CrossEncoderReranker:
         self.name = self.card.get("name", str(self.model_dir))
         config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
         self._model = AutoModelForSequenceClassification.from_pretrained(
-            str(self.model_dir), config=config, local_files_only=True, torch_dtype=torch.float32).eval()
+            str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32).eval()
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length, strategy="only_second")
         self._tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")

@@ -121,7 +121,7 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         with torch.inference_mode():
             for q, passages, dscores, _ in val:
                 ce = forward(q, passages).numpy()
-                fused.append(ce + float(w) * dscores)
+                fused.append(ce + float(w.detach()) * dscores)
                 dense.append(dscores)
         model.train()
         golds = [g for *_, g in val]
@@ -133,8 +133,8 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda step: min(1.0, (step + 1) / max(1, total_steps // 10)) * max(0.0, 1 - step / max(1, total_steps)))
     mrr0, dense_mrr = evaluate()
-    history = [{"step": 0, "val_mrr10": mrr0, "dense_mrr10": dense_mrr, "dense_weight": float(w)}]
-    best = (mrr0, 0, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w))
+    history = [{"step": 0, "val_mrr10": mrr0, "dense_mrr10": dense_mrr, "dense_weight": float(w.detach())}]
+    best = (mrr0, 0, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w.detach()))
     log.info("step 0: validation MRR@10 %.4f (bi-encoder %.4f)", mrr0, dense_mrr)
     step, stopped = 0, False
     model.train()
@@ -152,16 +152,16 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
             sched.step()
             step += 1
             running = 0.98 * running + 0.02 * float(loss.detach()) if step > 1 else float(loss.detach())
-            bar.set_postfix(loss=round(running, 4), w=round(float(w), 2))
+            bar.set_postfix(loss=round(running, 4), w=round(float(w.detach()), 2))
             if time_budget_s and time.time() - started > time_budget_s:
                 stopped = True
                 break
         mrr, _ = evaluate()
-        history.append({"step": step, "epoch": epoch + 1, "val_mrr10": mrr, "dense_weight": float(w),
+        history.append({"step": step, "epoch": epoch + 1, "val_mrr10": mrr, "dense_weight": float(w.detach()),
                         "train_loss_ema": running})
         log.info("epoch %d: validation MRR@10 %.4f (bi-encoder %.4f)", epoch + 1, mrr, dense_mrr)
         if mrr > best[0]:
-            best = (mrr, step, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w))
+            best = (mrr, step, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w.detach()))
         if stopped:
             break
 

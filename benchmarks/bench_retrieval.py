@@ -1,0 +1,237 @@
+"""Retrieval quality and cost: dense vs reranked, and SAGE's gradient selection against fixed top-k.
+
+Corpus: the NQ-open gold passages plus 10k Wikipedia leads as distractors (certrag.eval.corpus), indexed with the
+sentence-packing chunker at 256 tokens so that a passage stays one chunk. Questions: the NQ-open test split
+(certrag.eval.nq; nothing here learns from them). A question's gold chunk is its gold passage's chunk.
+
+Reproduces the shape of SAGE's Figure 4 / Table 3 (Wang et al., 2025): recall of the key chunk against the tokens
+sent to the LLM, for fixed top-k (k = 1..10) and gradient selection over a grid of g, with autocut and top-p beside.
+Also: recall@k and MRR@10 with and without the cross-encoder; latency of retrieve() (embed + search + rerank +
+select) at 1 and 16 concurrent callers; and indexing throughput without any embedding cache.
+
+    python benchmarks/bench_retrieval.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--questions", type=int, default=0, help="test questions to use (0 = all)")
+    p.add_argument("--candidates", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--latency-queries", type=int, default=200)
+    p.add_argument("--throughput-docs", type=int, default=600, help="documents indexed uncached for throughput")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    _common.pin_threads(args.threads)
+
+    import numpy as np
+
+    from certrag.config import EngineConfig, IndexConfig, RetrievalConfig
+    from certrag.embed import Embedder, EmbeddingCache
+    from certrag.engine import Engine
+    from certrag.eval.corpus import retrieval_corpus
+    from certrag.eval.nq import load_nq_open
+    from certrag.rerank import CrossEncoderReranker
+    from certrag.segment import SegmenterConfig
+    from certrag.segment.train import cache_dir
+    from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector, positive_scores
+
+    embedder = Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    reranker = CrossEncoderReranker.default()
+    corpus = retrieval_corpus()
+    config = EngineConfig(chunker="fixed_sentence", segmenter=SegmenterConfig(min_tokens=1, max_tokens=256),
+                          index=IndexConfig(ef_search=128), retrieval=RetrievalConfig(candidates=args.candidates))
+    store = _common.DATA_DIR / "nq_store"
+    if (store / "CURRENT").exists():
+        engine = Engine.open(store, embedder=embedder, reranker=reranker)
+        if engine.config != config or len(engine.documents) != len(corpus):
+            engine.close()
+            engine = Engine.build(corpus, store, config, embedder=embedder, reranker=reranker, overwrite=True)
+    else:
+        engine = Engine.build(corpus, store, config, embedder=embedder, reranker=reranker)
+    gold_doc = {d.text: d.id for d in corpus}
+    items = load_nq_open(split="test")
+    if args.questions:
+        items = items[: args.questions]
+    golds = [gold_doc[it.gold_text] for it in items]
+    tokens = {int(c["id"]): c["n_tokens"] for c in engine._data.chunks}
+
+    t0 = time.perf_counter()
+    results = engine.retrieve([it.question for it in items], selector=TopKSelector(k=args.candidates))
+    print(f"retrieved {len(items)} questions in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+    def rank_of(doc_ids, gold):
+        return doc_ids.index(gold) + 1 if gold in doc_ids else None
+
+    dense_ranks, rerank_ranks = [], []
+    for r, g in zip(results, golds):
+        order = np.argsort(-r.dense_scores, kind="stable")
+        dense_ranks.append(rank_of([r.doc_ids[i] for i in order], g))
+        rerank_ranks.append(rank_of(list(r.doc_ids), g))
+
+    def recall(ranks, k):
+        return float(np.mean([x is not None and x <= k for x in ranks]))
+
+    def mrr(ranks):
+        return float(np.mean([1 / x if x is not None and x <= 10 else 0.0 for x in ranks]))
+
+    quality = [{"what": "retrieval_quality", "method": name, "baseline": "dense",
+                **{f"recall@{k}": recall(ranks, k) for k in (1, 3, 5, 10, 20)}, "mrr@10": mrr(ranks)}
+               for name, ranks in (("dense (bi-encoder)", dense_ranks), ("dense + reranker", rerank_ranks))]
+
+    def evaluate(selector, scores_of):
+        hit, toks, kept = [], [], []
+        for r, g in zip(results, golds):
+            n = selector.select(scores_of(r))
+            hit.append(g in r.doc_ids[:n])
+            toks.append(sum(tokens[int(c)] for c in r.chunk_ids[:n]))
+            kept.append(n)
+        return float(np.mean(hit)), float(np.mean(toks)), float(np.mean(kept))
+
+    rerank_pos = lambda r: positive_scores(r.rerank_scores, "logit")  # noqa: E731
+    curve = []
+    for k in range(1, 11):
+        rec, tok, kept = evaluate(TopKSelector(k=k), rerank_pos)
+        curve.append({"what": "selection", "method": f"top-{k}", "family": "topk", "k": k, "gold_recall": rec,
+                      "context_tokens": tok, "chunks": kept})
+    for g in (1.05, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0):
+        for min_k in (1, 2):
+            rec, tok, kept = evaluate(GradientSelector(min_k=min_k, g=g, max_k=10), rerank_pos)
+            curve.append({"what": "selection", "method": f"gradient g={g} min_k={min_k}", "family": "gradient",
+                          "g": g, "min_k": min_k, "gold_recall": rec, "context_tokens": tok, "chunks": kept})
+    for jumps in (1, 2):
+        rec, tok, kept = evaluate(AutocutSelector(jumps=jumps, max_k=10), lambda r: r.rerank_scores)
+        curve.append({"what": "selection", "method": f"autocut jumps={jumps}", "family": "autocut",
+                      "gold_recall": rec, "context_tokens": tok, "chunks": kept})
+    for p_mass in (0.5, 0.8, 0.9):
+        rec, tok, kept = evaluate(TopPSelector(p=p_mass, max_k=10), lambda r: r.rerank_scores)
+        curve.append({"what": "selection", "method": f"top-p p={p_mass}", "family": "topp", "gold_recall": rec,
+                      "context_tokens": tok, "chunks": kept})
+
+    top5 = next(c for c in curve if c["method"] == "top-5")
+    reaching = [c for c in curve if c["family"] == "gradient" and c["gold_recall"] >= top5["gold_recall"] - 1e-9]
+    best = min(reaching, key=lambda c: c["context_tokens"]) if reaching else None
+
+    # Latency of retrieve() at 1 and 16 concurrent callers.
+    questions = [it.question for it in load_nq_open(split="test")][: args.latency_queries]
+    latency = []
+    for callers in (1, 16):
+        times, lock = [], threading.Lock()
+        work = list(questions)
+
+        def caller():
+            while True:
+                with lock:
+                    if not work:
+                        return
+                    q = work.pop()
+                t = time.perf_counter()
+                engine.retrieve(q)
+                with lock:
+                    times.append(time.perf_counter() - t)
+
+        engine.retrieve(questions[0])
+        started = time.perf_counter()
+        threads = [threading.Thread(target=caller) for _ in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - started
+        latency.append({"what": "retrieve_latency", "callers": callers, "chunks": len(engine),
+                        "queries": len(times), "throughput_qps": len(times) / wall, **_common.percentiles_ms(times)})
+
+    # Indexing throughput without a cache (the real cost), default SAGE chunker and the packing chunker.
+    import tempfile
+
+    plain = Embedder()
+    sample = corpus[:: max(1, len(corpus) // args.throughput_docs)][: args.throughput_docs]
+    mb = sum(len(d.text.encode()) for d in sample) / 1e6
+    throughput = []
+    for name, cfg in (("sage (default)", EngineConfig(retrieval=RetrievalConfig(rerank=False))),
+                      ("fixed_sentence 256", EngineConfig(chunker="fixed_sentence",
+                                                         retrieval=RetrievalConfig(rerank=False)))):
+        with tempfile.TemporaryDirectory() as tmp:
+            t = time.perf_counter()
+            with Engine.build(sample, Path(tmp) / "s", cfg, embedder=plain, progress=False) as e:
+                n_chunks = len(e)
+            dt = time.perf_counter() - t
+        throughput.append({"what": "indexing_throughput", "chunker": name, "documents": len(sample), "mb": mb,
+                           "chunks": n_chunks, "docs_per_s": len(sample) / dt, "chunks_per_s": n_chunks / dt,
+                           "mb_per_min": mb / dt * 60})
+
+    plot = None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for family, style in (("topk", "o-"), ("gradient", "s"), ("autocut", "^"), ("topp", "D")):
+            pts = [c for c in curve if c["family"] == family]
+            ax.plot([c["context_tokens"] for c in pts], [c["gold_recall"] for c in pts], style, label=family)
+        ax.axhline(top5["gold_recall"], color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("mean context tokens sent")
+        ax.set_ylabel("gold-passage recall of the selected set")
+        ax.set_title(f"NQ-open test ({len(items)} questions), reranked top-{args.candidates}")
+        ax.legend()
+        fig.tight_layout()
+        plot = _common.RESULTS_DIR / "retrieval_selection.png"
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(plot, dpi=110)
+    except ImportError:
+        pass
+
+    meta = _common.meta({"bench": "bench_retrieval", "corpus_documents": len(corpus), "chunks": len(engine),
+                         "questions": len(items), "reranker": reranker.card.get("name"),
+                         "reranker_dense_weight": reranker.dense_weight})
+    q_dense, q_rr = quality
+    verdict_sel = (f"gradient selection ({best['method']}) reaches fixed top-5's gold recall "
+                   f"({top5['gold_recall']:.3f}) with {best['context_tokens']:.0f} mean context tokens, "
+                   f"{best['context_tokens'] / top5['context_tokens']:.0%} of top-5's {top5['context_tokens']:.0f} "
+                   f"(target <= 60%: {'met' if best['context_tokens'] <= 0.6 * top5['context_tokens'] else 'NOT met'})"
+                   if best else f"no gradient setting reached top-5's gold recall ({top5['gold_recall']:.3f})")
+    text = "\n".join([
+        "### Retrieval, reranking and selection (bench_retrieval.py)\n",
+        f"**Verdict:** the reranker {'beats' if q_rr['mrr@10'] > q_dense['mrr@10'] else 'does NOT beat'} the "
+        f"bi-encoder alone on MRR@10 ({q_rr['mrr@10']:.3f} against {q_dense['mrr@10']:.3f}, "
+        f"{q_rr['mrr@10'] - q_dense['mrr@10']:+.3f}); {verdict_sel}.\n",
+        f"Corpus: {len(corpus):,} documents (NQ-open gold passages + Wikipedia leads) in {len(engine):,} chunks; "
+        f"{len(items)} NQ-open test questions; {args.candidates} candidates from the index (ef 128).\n",
+        _common.markdown_table(["ranking", "R@1", "R@3", "R@5", "R@10", "R@20", "MRR@10"],
+                               [[q["method"], q["recall@1"], q["recall@3"], q["recall@5"], q["recall@10"],
+                                 q["recall@20"], q["mrr@10"]] for q in quality]),
+        "\nSelection over the reranked candidates: gold-passage recall of the selected set against the mean "
+        "context tokens sent" + (f" (plot: `{plot.relative_to(_common.ROOT)}`)" if plot else "") + ":\n",
+        _common.markdown_table(["selector", "gold recall", "mean tokens", "mean chunks"],
+                               [[c["method"], c["gold_recall"], c["context_tokens"], c["chunks"]] for c in curve]),
+        "\nLatency of `retrieve` (embed + search + rerank of the candidates + select), the store above:\n",
+        _common.markdown_table(["callers", "chunks", "queries", "p50 ms", "p90 ms", "p99 ms", "throughput q/s"],
+                               [[x["callers"], x["chunks"], x["queries"], x["p50_ms"], x["p90_ms"], x["p99_ms"],
+                                 x["throughput_qps"]] for x in latency]),
+        "\nIndexing throughput with no embedding cache (segment + embed + index + atomic write):\n",
+        _common.markdown_table(["chunker", "documents", "MB", "chunks", "docs/s", "chunks/s", "MB/min"],
+                               [[x["chunker"], x["documents"], x["mb"], x["chunks"], x["docs_per_s"],
+                                 x["chunks_per_s"], x["mb_per_min"]] for x in throughput]),
+        _common.footer(meta)])
+    print(text)
+    engine.close()
+    if not args.no_write:
+        _common.write_rows("bench_retrieval", quality + curve + latency + throughput, meta)
+        _common.update_results_md("bench_retrieval", text)
+
+
+if __name__ == "__main__":
+    main()
