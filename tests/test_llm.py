@@ -1,0 +1,62 @@
+"""The local LLM backend with the real bundled SmolLM2-135M (the small model for tests, MODELS.md)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gguf")
+
+from certrag.llm import LocalLLM, converted_model_dir  # noqa: E402
+from certrag.llm.models import BUNDLED_MODELS  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    try:
+        BUNDLED_MODELS[MODEL].gguf_parts()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    return LocalLLM(MODEL)
+
+
+def test_conversion_keeps_the_gguf_weights_exactly(llm):
+    from transformers import AutoModelForCausalLM
+
+    part = BUNDLED_MODELS[MODEL].gguf_parts()[0]
+    reference = AutoModelForCausalLM.from_pretrained(str(part.parent), gguf_file=part.name).eval()
+    ids = torch.tensor([llm.prompt_ids([{"role": "user", "content": "Name a colour."}])])
+    with torch.inference_mode():
+        torch.testing.assert_close(llm.model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    assert (converted_model_dir(MODEL) / "config.json").exists()
+
+
+def test_greedy_generation_is_deterministic_and_counts_tokens(llm):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    a = llm.generate(messages, max_new_tokens=12)
+    b = llm.generate(messages, max_new_tokens=12)
+    assert a.text == b.text and "Paris" in a.text
+    expected_in = len(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True)["input_ids"])
+    assert a.input_tokens == expected_in
+    assert 1 <= a.output_tokens <= 12
+    short = llm.generate([{"role": "user", "content": "Count from one to twenty in words."}], max_new_tokens=3)
+    assert short.output_tokens == 3 and short.finish_reason == "length"
+
+
+def test_seeded_sampling_repeats_with_the_same_seed(llm):
+    messages = [{"role": "user", "content": "Write a word."}]
+    a = llm.generate(messages, max_new_tokens=8, temperature=1.0, seed=7)
+    b = llm.generate(messages, max_new_tokens=8, temperature=1.0, seed=7)
+    assert a.text == b.text
+
+
+def test_bad_input(llm):
+    with pytest.raises(ValueError, match="messages"):
+        llm.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        llm.generate([{"role": "user", "content": "x"}], max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate([{"role": "user", "content": "x"}], temperature=-1)
+    with pytest.raises(ValueError, match="unknown bundled model|transformers model folder"):
+        LocalLLM("no-such-model")
