@@ -1,0 +1,75 @@
+"""The shipped cross-encoder reranker: its card, its fused score, and its ranking on questions it never saw."""
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from certrag.rerank import PACKAGE_RERANKER, CrossEncoderReranker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reranker():
+    return CrossEncoderReranker.default()
+
+
+def test_shipped_model_is_small_half_precision_with_a_card(reranker):
+    weights = PACKAGE_RERANKER / "model.safetensors"
+    assert weights.stat().st_size < 50e6
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "np") as f:
+        assert all(f.get_tensor(k).dtype == np.float16 for k in list(f.keys())[:5])
+    card = json.loads((PACKAGE_RERANKER / "card.json").read_text())
+    for key in ("data", "training", "held_out", "dense_weight", "remake"):
+        assert key in card
+    assert "train split" in card["data"]["source"]
+    assert np.isfinite(reranker.dense_weight)
+
+
+def test_fused_score_is_cross_encoder_plus_weighted_dense(reranker):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    q = "who wrote the novel pride and prejudice"
+    passages = ["Pride and Prejudice\nPride and Prejudice is an 1813 novel by Jane Austen.",
+                "Moby-Dick\nMoby-Dick is an 1851 novel by Herman Melville."]
+    dense = np.array([0.6, 0.2], dtype=np.float32)
+    got = reranker.score(q, passages, dense)
+    # Independent path: the Hugging Face tokenizer and model classes on the same files.
+    tok = AutoTokenizer.from_pretrained(str(PACKAGE_RERANKER), local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(str(PACKAGE_RERANKER), local_files_only=True,
+                                                               dtype=torch.float32).eval()
+    with torch.inference_mode():
+        enc = tok([q] * 2, passages, return_tensors="pt", padding=True, truncation="only_second", max_length=256)
+        ce = model(**enc).logits[:, 0].numpy()
+    np.testing.assert_allclose(got, ce + reranker.dense_weight * dense, rtol=1e-4, atol=1e-4)
+    assert got[0] > got[1]
+    with pytest.raises(ValueError, match="dense_scores"):
+        reranker.score(q, passages, dense[:1])
+
+
+def test_reranker_does_not_rank_worse_than_the_bi_encoder_on_unseen_questions(reranker):
+    from certrag.embed import Embedder
+    from certrag.eval.corpus import wiki_leads
+    from certrag.eval.nq import load_nq_open, passage_text
+    from certrag.rerank_train import mrr_at_10
+
+    items = load_nq_open(split="calibration")[:30]  # never used for training
+    corpus = sorted({it.gold_text for it in items} | {passage_text(t, x) for t, x, _ in wiki_leads()[:300]})
+    embedder = Embedder.default()
+    emb = embedder.embed(corpus)
+    dense_lists, fused_lists, golds = [], [], []
+    for it, q in zip(items, embedder.embed([it.question for it in items])):
+        scores = emb @ q
+        top = list(np.argsort(-scores)[:8])
+        gold = corpus.index(it.gold_text)
+        if gold not in top:
+            top[-1] = gold
+        d = scores[top].astype(np.float32)
+        dense_lists.append(d)
+        fused_lists.append(reranker.score(it.question, [corpus[i] for i in top], d))
+        golds.append(top.index(gold))
+    dense_mrr, fused_mrr = mrr_at_10(dense_lists, golds), mrr_at_10(fused_lists, golds)
+    assert fused_mrr >= dense_mrr - 0.03, (fused_mrr, dense_mrr)
