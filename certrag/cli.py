@@ -226,6 +226,39 @@ def search(store: Path, question: str, candidates: int | None, selector: str | N
                f"search {t['search_ms']:.2f} ms, rerank {t['rerank_ms']:.1f} ms")
 
 
+@main.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("question")
+@click.option("--strategy", type=click.Choice(["plain", "chain_of_note", "feedback", "feedback:chain_of_note"]),
+              default="plain", show_default=True)
+@click.option("--model", default=None, help="A bundled model name or a transformers folder (default: the bundled "
+                                            "Qwen2.5-Coder-0.5B-Instruct).")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer, notes, tokens, cost and trace as JSON.")
+def ask(store: Path, question: str, strategy: str, model: str | None, as_json: bool) -> None:
+    """Answer QUESTION from STORE with a local LLM."""
+    from certrag.llm import LocalLLM
+
+    with _open_engine(store, read_only=True) as engine:
+        if model:
+            try:
+                engine.llm = LocalLLM(model)
+            except (ValueError, RuntimeError) as exc:
+                raise click.ClickException(str(exc)) from None
+        try:
+            a = engine.answer(question, strategy=strategy)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(a.to_dict(), indent=2, ensure_ascii=False, default=str))
+        return
+    click.echo(a.text)
+    for n in a.notes:
+        click.echo(f"  note {n.passage} [{n.kind}]: {n.text}")
+    click.echo(f"({a.strategy}; {a.rounds} round(s); cites chunks {list(a.cited_chunk_ids)}; "
+               f"{a.input_tokens} in / {a.output_tokens} out tokens; cost {a.cost:.6f}; "
+               f"retrieve {a.trace['retrieve_ms']:.0f} ms, generate {a.trace['generate_ms']:.0f} ms)")
+
+
 @main.command("train-segmenter")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Where to write the head (.safetensors; its card goes beside it as .json).")

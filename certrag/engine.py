@@ -57,6 +57,35 @@ class Retrieval:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """An answer with its evidence and its bill: the chunks it cites, Chain-of-Note's notes where any, the feedback
+    rounds, tokens and cost over every LLM call, and the per-stage trace (milliseconds)."""
+
+    question: str
+    text: str
+    strategy: str
+    cited_chunk_ids: tuple[int, ...]
+    notes: tuple = ()
+    rejected: bool = False
+    malformed: bool = False
+    rounds: int = 1
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost: float = 0.0
+    model: str = ""
+    trace: dict = field(default_factory=dict)
+    retrieval: Retrieval | None = None
+
+    def to_dict(self) -> dict:
+        return {"question": self.question, "answer": self.text, "strategy": self.strategy,
+                "cited_chunk_ids": list(self.cited_chunk_ids),
+                "notes": [{"passage": n.passage, "kind": n.kind, "text": n.text} for n in self.notes],
+                "rejected": self.rejected, "malformed": self.malformed, "rounds": self.rounds,
+                "input_tokens": self.input_tokens, "output_tokens": self.output_tokens, "cost": self.cost,
+                "model": self.model, "trace": self.trace}
+
+
+@dataclass(frozen=True)
 class BuildReport:
     documents: int
     chunks: int
@@ -76,6 +105,7 @@ class Engine:
         self._lock = lock
         self._embedder = embedder
         self._reranker = reranker
+        self._llm = None
         self._chunker = None
         self._position = {int(c): i for i, c in enumerate(data.ids)}
         self.last_report: BuildReport | None = None
@@ -280,6 +310,74 @@ class Engine:
                 "documents": len(self._data.documents), "chunks": len(self._data.chunks),
                 "models": self._data.models, "config": self.config.to_dict(),
                 "index": {k: v for k, v in self._data.index.stats().items() if k != "nodes_per_level"}}
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            from certrag.llm import LocalLLM
+
+            self._llm = LocalLLM()
+        return self._llm
+
+    @llm.setter
+    def llm(self, value) -> None:
+        self._llm = value
+
+    def answer(self, question: str, strategy: str = "plain", *, qtype: str = "open",
+               options: list[str] | None = None, prices=None, max_new_tokens: int | None = None) -> Answer:
+        """Retrieves, then answers with a strategy: plain, chain_of_note, feedback (SAGE's loop around plain) or
+        feedback:chain_of_note. The feedback loop re-selects from the same reranked candidates with min_k moved by
+        the model's flag, so retrieval runs once. max_new_tokens overrides the strategy's budget (for
+        chain_of_note it is per passage)."""
+        import dataclasses as dc
+
+        from certrag.cost import PriceTable
+        from certrag.llm.prompts import Passage
+        from certrag.strategies import STRATEGIES, Feedback
+
+        base_name, feedback = strategy, False
+        if strategy.startswith("feedback"):
+            feedback, _, base_name = strategy.partition(":")
+            base_name = base_name or "plain"
+        if base_name not in STRATEGIES:
+            raise ValueError(f"strategy must be plain, chain_of_note, feedback or feedback:<base>; got {strategy!r}")
+        base = STRATEGIES[base_name]() if max_new_tokens is None else STRATEGIES[base_name](max_new_tokens=max_new_tokens)
+        t0 = time.perf_counter()
+        r = self.retrieve(question)
+        t1 = time.perf_counter()
+        positive = (positive_scores(r.rerank_scores, "logit") if not np.isnan(r.rerank_scores).all()
+                    else positive_scores(r.dense_scores, "cosine"))
+        sel_cfg = self.config.selection
+
+        def passages_for(n: int) -> list:
+            return [Passage(text=r.texts[i], chunk_id=int(r.chunk_ids[i])) for i in range(n)]
+
+        llm = self.llm
+        if feedback:
+            gradient = dc.replace(sel_cfg, method="gradient")
+
+            def retrieve_k(min_k: int) -> list:
+                sel = dc.replace(gradient, min_k=min_k, max_k=max(min_k, gradient.max_k)).make()
+                return passages_for(sel.select(positive))
+
+            result = Feedback(base=base).run_adaptive(question, retrieve_k, llm, sel_cfg.min_k, qtype, options,
+                                                      max_k=len(r.chunk_ids) or 1)
+        else:
+            result = base.run(question, passages_for(r.selected), llm, qtype, options)
+        t2 = time.perf_counter()
+        used = result.passages_used
+        cited = tuple(int(r.chunk_ids[i]) for i in range(used))
+        if result.notes and not result.malformed:
+            useful = {n.passage for n in result.notes if n.kind in ("answers", "context")}
+            cited = tuple(int(r.chunk_ids[i - 1]) for i in sorted(useful) if 1 <= i <= used)
+        model = getattr(llm, "name", "llm")
+        cost = (prices or PriceTable()).cost(model, result.input_tokens, result.output_tokens)
+        trace = dict(r.trace, retrieve_ms=(t1 - t0) * 1e3, generate_ms=(t2 - t1) * 1e3, llm_calls=len(result.calls),
+                     history=list(result.history))
+        return Answer(question=question, text=result.text, strategy=strategy, cited_chunk_ids=cited,
+                      notes=result.notes, rejected=result.rejected, malformed=result.malformed, rounds=result.rounds,
+                      input_tokens=result.input_tokens, output_tokens=result.output_tokens, cost=cost, model=model,
+                      trace=trace, retrieval=r)
 
     def retrieve(self, question: str | Sequence[str], *, candidates: int | None = None,
                  selector=None) -> "Retrieval | list[Retrieval]":

@@ -219,3 +219,28 @@ def test_cli_index_search_info(tmp_path, leads):
     assert res.exit_code == 0 and json.loads(res.output)["documents"] == 10
     res = runner.invoke(main, ["search", str(tmp_path / "nothing"), "q"])
     assert res.exit_code != 0 and "no store" in res.output
+
+
+def test_answer_with_the_real_small_model(store, leads):
+    from certrag.llm import LocalLLM
+    from certrag.llm.models import BUNDLED_MODELS
+
+    try:
+        BUNDLED_MODELS["smollm2-135m-instruct"].gguf_parts()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    engine, _ = store
+    engine.llm = LocalLLM("smollm2-135m-instruct")
+    doc = leads[4]
+    question = f"What is {doc['id'][5:]}?"
+    a = engine.answer(question)
+    assert a.text and a.input_tokens > 0 and a.output_tokens > 0 and a.cost > 0
+    assert a.cited_chunk_ids and set(a.cited_chunk_ids) <= set(int(c) for c in a.retrieval.chunk_ids)
+    assert a.trace["llm_calls"] == 1 and a.rounds == 1
+    con = engine.answer(question, strategy="chain_of_note", max_new_tokens=12)
+    assert con.strategy == "chain_of_note" and isinstance(con.rejected, bool)
+    fb = engine.answer(question, strategy="feedback", max_new_tokens=16)
+    assert 1 <= fb.rounds <= 3 and fb.trace["llm_calls"] == 2 * fb.rounds
+    assert fb.input_tokens > a.input_tokens  # the judging calls are counted too
+    with pytest.raises(ValueError, match="strategy"):
+        engine.answer(question, strategy="self_rag_v9")
