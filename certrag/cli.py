@@ -259,6 +259,26 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
                f"retrieve {a.trace['retrieve_ms']:.0f} ms, generate {a.trace['generate_ms']:.0f} ms)")
 
 
+@main.command()
+@click.argument("store", required=False, type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--model", default=None, help="Bundled model name or transformers folder (default: Qwen2.5-0.5B).")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, help="Larger requests get 413.")
+def serve(store: Path | None, host: str, port: int, model: str | None, max_body_bytes: int) -> None:
+    """Serve /v1/chat/completions (the local model) and, with STORE, /v1/answer (the engine)."""
+    import uvicorn
+
+    from certrag.llm import LocalLLM
+    from certrag.server import create_app
+
+    llm = LocalLLM(model) if model else LocalLLM()
+    engine = _open_engine(store, read_only=True) if store else None
+    if engine is not None:
+        engine.llm = llm
+    uvicorn.run(create_app(llm, engine, max_body_bytes=max_body_bytes), host=host, port=port, log_level="info")
+
+
 @main.command("train-segmenter")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Where to write the head (.safetensors; its card goes beside it as .json).")
