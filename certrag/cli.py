@@ -279,6 +279,41 @@ def serve(store: Path | None, host: str, port: int, model: str | None, max_body_
     uvicorn.run(create_app(llm, engine, max_body_bytes=max_body_bytes), host=host, port=port, log_level="info")
 
 
+@main.command("eval")
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--split", type=click.Choice(["train", "calibration", "test"]), default="test", show_default=True)
+@click.option("--limit", default=200, show_default=True, help="Questions from the split (file order).")
+@click.option("--strategy", "strategies", multiple=True, default=["plain"], show_default=True,
+              type=click.Choice(["plain", "chain_of_note", "feedback", "feedback:chain_of_note"]))
+@click.option("--noise", "noise", multiple=True, type=float,
+              help="Chain-of-Note noise ratio(s); without it the engine's own retrieval supplies the passages.")
+@click.option("--k", default=5, show_default=True, help="Passages per question under the noise protocol.")
+@click.option("--model", default=None, help="Bundled model or transformers folder (default Qwen2.5-0.5B).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the full report as JSON.")
+def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], noise: tuple[float, ...], k: int,
+             model: str | None, out: Path | None) -> None:
+    """Evaluate answering strategies on NQ-open (EM, F1, reject rate, tokens, cost, cost-efficiency)."""
+    from certrag.eval.nq import load_nq_open
+    from certrag.eval.qa import evaluate, markdown, write_report
+    from certrag.llm import LocalLLM
+
+    if limit < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--limit")
+    items = load_nq_open(split=split)[:limit]
+    reports = []
+    with _open_engine(store, read_only=True) as engine:
+        engine.llm = LocalLLM(model) if model else LocalLLM()
+        for strategy in strategies:
+            for ratio in (noise or (None,)):
+                try:
+                    reports.append(evaluate(engine, items, strategy, noise_ratio=ratio, k=k))
+                except ValueError as exc:
+                    raise click.ClickException(str(exc)) from None
+    click.echo(markdown([r["summary"] for r in reports]))
+    if out:
+        write_report(out, reports)
+
+
 @main.command("train-segmenter")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Where to write the head (.safetensors; its card goes beside it as .json).")

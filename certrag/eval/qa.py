@@ -1,0 +1,136 @@
+"""The QA evaluation harness: EM / F1 (DPR normalisation), reject rate, tokens, cost and cost-efficiency, over the
+engine's own retrieval or over Chain-of-Note's noise protocol (Yu et al., 2023, Table 3).
+
+Noise protocol for k passages and noise ratio r: round(k * (1 - r)) relevant passages and the rest irrelevant.
+Relevant passages are the gold passage plus retrieved passages that contain a gold answer string; irrelevant ones
+are the highest-ranked retrieved passages that contain no answer string and are not the gold passage (hard noise).
+When fewer relevant passages exist than the protocol asks for, the set is shorter and the row records the counts.
+Passage order is shuffled with a seed fixed per question, so no strategy benefits from the gold coming first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from certrag.cost import PriceTable, cost_efficiency
+from certrag.eval.metrics import answer_in_text, exact_match, f1_score
+from certrag.eval.nq import QAItem
+
+
+@dataclass(frozen=True)
+class QARow:
+    question: str
+    answers: tuple[str, ...]
+    prediction: str
+    em: float
+    f1: float
+    rejected: bool
+    malformed: bool
+    relevant_passages: int
+    noisy_passages: int
+    input_tokens: int
+    output_tokens: int
+    cost: float
+    seconds: float
+    rounds: int = 1
+
+
+def noise_passages(item: QAItem, retrieval, k: int, ratio: float) -> tuple[list, int, int]:
+    """(passages, relevant count, noisy count) for the noise protocol, from one Retrieval of the question."""
+    from certrag.llm.prompts import Passage
+
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"noise ratio must be in [0, 1]; got {ratio}")
+    if k < 1:
+        raise ValueError(f"k must be at least 1; got {k}")
+    want_relevant = round(k * (1.0 - ratio))
+    relevant = [Passage(item.gold_text, chunk_id=-1)] if want_relevant else []
+    noisy = []
+    for cid, text in zip(retrieval.chunk_ids, retrieval.texts):
+        if text.strip() == item.gold_text.strip():
+            continue
+        if answer_in_text(text, item.answers):
+            if len(relevant) < want_relevant:
+                relevant.append(Passage(text, chunk_id=int(cid)))
+        elif len(noisy) < k - want_relevant:
+            noisy.append(Passage(text, chunk_id=int(cid)))
+    passages = relevant + noisy
+    seed = int.from_bytes(hashlib.sha256(item.question.encode()).digest()[:4], "big")
+    random.Random(seed).shuffle(passages)
+    return passages, len(relevant), len(noisy)
+
+
+def evaluate(engine, items: list[QAItem], strategy: str = "plain", *, noise_ratio: float | None = None, k: int = 5,
+             prices: PriceTable | None = None, max_new_tokens: int | None = None, progress: bool = True) -> dict:
+    """Runs every item and returns {"rows": [...], "summary": {...}}."""
+    from tqdm.auto import tqdm
+
+    from certrag.strategies import STRATEGIES
+
+    prices = prices or PriceTable()
+    rows = []
+    for item in tqdm(items, desc=f"{strategy} noise={noise_ratio}", disable=not progress):
+        started = time.perf_counter()
+        if noise_ratio is None:
+            a = engine.answer(item.question, strategy=strategy, prices=prices, max_new_tokens=max_new_tokens)
+            pred, rejected, malformed = a.text, a.rejected, a.malformed
+            tin, tout, cost, rounds, rel, noise = a.input_tokens, a.output_tokens, a.cost, a.rounds, -1, -1
+        else:
+            if strategy not in STRATEGIES:
+                raise ValueError(f"the noise protocol runs plain or chain_of_note, not {strategy!r}")
+            r = engine.retrieve(item.question, candidates=max(20, 4 * k))
+            passages, rel, noise = noise_passages(item, r, k, noise_ratio)
+            base = STRATEGIES[strategy]() if max_new_tokens is None else STRATEGIES[strategy](
+                max_new_tokens=max_new_tokens)
+            res = base.run(item.question, passages, engine.llm)
+            pred, rejected, malformed, rounds = res.text, res.rejected, res.malformed, 1
+            tin, tout = res.input_tokens, res.output_tokens
+            cost = prices.cost(getattr(engine.llm, "name", "llm"), tin, tout)
+        rows.append(QARow(question=item.question, answers=item.answers, prediction=pred,
+                          em=0.0 if rejected else exact_match(pred, item.answers),
+                          f1=0.0 if rejected else f1_score(pred, item.answers), rejected=rejected,
+                          malformed=malformed, relevant_passages=rel, noisy_passages=noise, input_tokens=tin,
+                          output_tokens=tout, cost=cost, seconds=time.perf_counter() - started, rounds=rounds))
+    return {"rows": [asdict(r) for r in rows], "summary": summarise(rows, strategy, noise_ratio)}
+
+
+def summarise(rows: list[QARow], strategy: str, noise_ratio: float | None) -> dict:
+    if not rows:
+        return {"strategy": strategy, "noise_ratio": noise_ratio, "n": 0}
+    em = float(np.mean([r.em for r in rows]))
+    cost = float(np.mean([r.cost for r in rows]))
+    return {"strategy": strategy, "noise_ratio": noise_ratio, "n": len(rows), "em": em,
+            "f1": float(np.mean([r.f1 for r in rows])),
+            "reject_rate": float(np.mean([r.rejected for r in rows])),
+            "malformed_rate": float(np.mean([r.malformed for r in rows])),
+            "input_tokens": float(np.mean([r.input_tokens for r in rows])),
+            "output_tokens": float(np.mean([r.output_tokens for r in rows])),
+            "cost": cost, "cost_efficiency": cost_efficiency(em, cost),
+            "latency_p50_s": float(np.median([r.seconds for r in rows])),
+            "rounds": float(np.mean([r.rounds for r in rows]))}
+
+
+def markdown(summaries: list[dict]) -> str:
+    head = "| strategy | noise | n | EM | F1 | reject | malformed | in tok | out tok | cost | EM/cost | p50 s |"
+    lines = [head, "|" + "---|" * 12]
+    for s in summaries:
+        noise = "retrieved" if s["noise_ratio"] is None else f"{s['noise_ratio']:.1f}"
+        lines.append(f"| {s['strategy']} | {noise} | {s['n']} | {s['em']:.3f} | {s['f1']:.3f} | "
+                     f"{s['reject_rate']:.3f} | {s['malformed_rate']:.3f} | {s['input_tokens']:.0f} | "
+                     f"{s['output_tokens']:.0f} | {s['cost']:.2e} | {s['cost_efficiency']:.3g} | "
+                     f"{s['latency_p50_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def write_report(path: str | Path, reports: list[dict]) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(reports, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(path)
