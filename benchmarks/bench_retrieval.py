@@ -37,29 +37,17 @@ def main() -> None:
 
     import numpy as np
 
-    from certrag.config import EngineConfig, IndexConfig, RetrievalConfig
-    from certrag.embed import Embedder, EmbeddingCache
+    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.embed import Embedder
     from certrag.engine import Engine
-    from certrag.eval.corpus import retrieval_corpus
     from certrag.eval.nq import load_nq_open
     from certrag.rerank import CrossEncoderReranker
-    from certrag.segment import SegmenterConfig
-    from certrag.segment.train import cache_dir
     from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector, positive_scores
 
-    embedder = Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    from _nq import cached_embedder, nq_store
+
     reranker = CrossEncoderReranker.default()
-    corpus = retrieval_corpus()
-    config = EngineConfig(chunker="fixed_sentence", segmenter=SegmenterConfig(min_tokens=1, max_tokens=256),
-                          index=IndexConfig(ef_search=128), retrieval=RetrievalConfig(candidates=args.candidates))
-    store = _common.DATA_DIR / "nq_store"
-    if (store / "CURRENT").exists():
-        engine = Engine.open(store, embedder=embedder, reranker=reranker)
-        if engine.config != config or len(engine.documents) != len(corpus):
-            engine.close()
-            engine = Engine.build(corpus, store, config, embedder=embedder, reranker=reranker, overwrite=True)
-    else:
-        engine = Engine.build(corpus, store, config, embedder=embedder, reranker=reranker)
+    engine, corpus = nq_store(cached_embedder(), reranker)
     gold_doc = {d.text: d.id for d in corpus}
     items = load_nq_open(split="test")
     if args.questions:
@@ -68,7 +56,8 @@ def main() -> None:
     tokens = {int(c["id"]): c["n_tokens"] for c in engine._data.chunks}
 
     t0 = time.perf_counter()
-    results = engine.retrieve([it.question for it in items], selector=TopKSelector(k=args.candidates))
+    results = engine.retrieve([it.question for it in items], candidates=args.candidates,
+                              selector=TopKSelector(k=args.candidates))
     print(f"retrieved {len(items)} questions in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
 
     def rank_of(doc_ids, gold):
@@ -209,7 +198,9 @@ def main() -> None:
         f"bi-encoder alone on MRR@10 ({q_rr['mrr@10']:.3f} against {q_dense['mrr@10']:.3f}, "
         f"{q_rr['mrr@10'] - q_dense['mrr@10']:+.3f}); {verdict_sel}.\n",
         f"Corpus: {len(corpus):,} documents (NQ-open gold passages + Wikipedia leads) in {len(engine):,} chunks; "
-        f"{len(items)} NQ-open test questions; {args.candidates} candidates from the index (ef 128).\n",
+        f"{len(items)} NQ-open test questions; {args.candidates} candidates from the index (ef 128); one chunk per "
+        f"passage (sentence packing at 256 tokens: this benchmark measures ranking and selection, "
+        f"bench_segmentation.py measures chunking).\n",
         _common.markdown_table(["ranking", "R@1", "R@3", "R@5", "R@10", "R@20", "MRR@10"],
                                [[q["method"], q["recall@1"], q["recall@3"], q["recall@5"], q["recall@10"],
                                  q["recall@20"], q["mrr@10"]] for q in quality]),

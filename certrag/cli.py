@@ -51,8 +51,8 @@ def info(store: Path | None, as_json: bool) -> None:
 @click.option("--distractors", default=1500, show_default=True, help="Wikipedia leads to index beside them.")
 @click.option("--questions", default=5, show_default=True, help="Sample questions to answer.")
 def demo(store: Path | None, passages: int, distractors: int, questions: int) -> None:
-    """The main job on the bundled data: index NQ-open gold passages and Wikipedia leads, then retrieve for sample
-    NQ-open test questions and show the selected chunks."""
+    """The main job on the bundled data: index NQ-open gold passages and Wikipedia leads, then answer sample NQ-open
+    test questions with the bundled reader, showing the selected chunks, tokens, cost and timings."""
     from certrag.documents import Document
     from certrag.engine import Engine
     from certrag.eval.corpus import wiki_leads
@@ -83,23 +83,28 @@ def demo(store: Path | None, passages: int, distractors: int, questions: int) ->
         engine = Engine.build(docs, store)
         report = engine.last_report
         click.echo(f"indexed {report.documents:,} documents into {report.chunks:,} chunks in {report.seconds:.0f} s")
+    from certrag.eval.metrics import exact_match
+
     with engine:
         gold_ids = {it.gold_text: f"nq:{i}" for i, it in enumerate(items)}
-        found = 0
+        found = correct = 0
         for it in items[:questions]:
-            r = engine.retrieve(it.question)
+            a = engine.answer(it.question)
+            r = a.retrieval
             gold = gold_ids[it.gold_text]
-            hit = gold in r.doc_ids[: r.selected]
-            found += hit
-            click.echo(f"\nQ: {it.question}   (gold answer: {it.answers[0]})")
+            found += gold in r.doc_ids[: r.selected]
+            correct += exact_match(a.text, it.answers) > 0
+            click.echo(f"\nQ: {it.question}")
+            click.echo(f"A: {a.text}   (gold: {' | '.join(it.answers[:3])})")
             for i in range(r.selected):
-                snippet = " ".join(r.texts[i].split())[:110]
+                snippet = " ".join(r.texts[i].split())[:100]
                 click.echo(f"  {'*' if r.doc_ids[i] == gold else '-'} [{r.doc_ids[i]}] {r.rerank_scores[i]:6.2f}  "
                            f"{snippet}")
-            t = r.trace
-            click.echo(f"  selected {r.selected} of {len(r.chunk_ids)} candidates; embed {t['embed_ms']:.0f} ms, "
-                       f"search {t['search_ms']:.1f} ms, rerank {t['rerank_ms']:.0f} ms")
-        click.echo(f"\ngold passage among the selected chunks for {found} of {questions} questions "
+            t = a.trace
+            click.echo(f"  {r.selected} of {len(r.chunk_ids)} candidates selected; {a.input_tokens} + "
+                       f"{a.output_tokens} tokens, cost {a.cost:.2e}; retrieve {t['retrieve_ms']:.0f} ms, "
+                       f"generate {t['generate_ms']:.0f} ms")
+        click.echo(f"\ngold passage selected for {found} of {questions} questions; exact-match answers: {correct} "
                    f"({time.perf_counter() - t0:.0f} s in all)")
 
 
