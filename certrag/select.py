@@ -2,8 +2,10 @@
 
 Every selector takes scores sorted best first and returns how many of the leading candidates to keep (at least one
 when there is at least one candidate). Scores must be positive for ratio-based rules to mean anything; the engine
-passes ``positive_scores(...)`` of the reranker's logits (a sigmoid), or of the dense cosine scores ((1 + cos) / 2)
-when no reranker runs.
+passes ``positive_scores(...)``: for reranker logits exp(s - s_max), i.e. each candidate's probability relative to
+the best under a softmax, so that SAGE's ratio S[i] > S[i-1] / g becomes "the logit dropped by less than ln g" and a
+constant offset in the logits changes nothing (a plain sigmoid saturates at 1 for large logits and hides every
+drop); for dense cosine scores without a reranker, (1 + cos) / 2.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import numpy as np
 
 
 def positive_scores(scores: np.ndarray, kind: str) -> np.ndarray:
-    """Maps raw scores into (0, 1]: sigmoid for reranker logits, (1 + s) / 2 for cosine similarities."""
+    """Maps raw scores into (0, 1]: exp(s - max s) for logits, (1 + s) / 2 for cosine similarities."""
     s = np.asarray(scores, dtype=np.float64)
     if kind == "logit":
-        return 1.0 / (1.0 + np.exp(-s))
+        if s.size == 0:
+            return s
+        return np.maximum(np.exp(s - np.max(s)), 1e-300)
     if kind == "cosine":
         return np.clip((1.0 + s) / 2.0, 1e-12, 1.0)
     raise ValueError(f"kind must be 'logit' or 'cosine'; got {kind!r}")

@@ -221,16 +221,9 @@ def test_cli_index_search_info(tmp_path, leads):
     assert res.exit_code != 0 and "no store" in res.output
 
 
-def test_answer_with_the_real_small_model(store, leads):
-    from certrag.llm import LocalLLM
-    from certrag.llm.models import BUNDLED_MODELS
-
-    try:
-        BUNDLED_MODELS["smollm2-135m-instruct"].gguf_parts()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+def test_answer_with_the_real_small_model(store, leads, smollm):
     engine, _ = store
-    engine.llm = LocalLLM("smollm2-135m-instruct")
+    engine.llm = smollm
     doc = leads[4]
     question = f"What is {doc['id'][5:]}?"
     a = engine.answer(question)

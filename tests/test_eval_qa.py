@@ -53,16 +53,9 @@ def test_noise_protocol_passage_sets(nq_engine, ratio, relevant):
         noise_passages(items[0], r, 5, 1.5)
 
 
-def test_small_real_evaluation(nq_engine):
-    from certrag.llm import LocalLLM
-    from certrag.llm.models import BUNDLED_MODELS
-
-    try:
-        BUNDLED_MODELS["smollm2-135m-instruct"].gguf_parts()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+def test_small_real_evaluation(nq_engine, smollm):
     engine, items = nq_engine
-    engine.llm = LocalLLM("smollm2-135m-instruct")
+    engine.llm = smollm
     report = evaluate(engine, items[:3], "plain", progress=False, max_new_tokens=16)
     rows, summary = report["rows"], report["summary"]
     assert summary["n"] == 3 and len(rows) == 3

@@ -23,18 +23,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(smollm):
     import uvicorn
 
-    from certrag.llm import LocalLLM
-    from certrag.llm.models import BUNDLED_MODELS
     from certrag.server import create_app
 
-    try:
-        BUNDLED_MODELS["smollm2-135m-instruct"].gguf_parts()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    llm = LocalLLM("smollm2-135m-instruct")
+    llm = smollm
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(llm, max_body_bytes=4096), host="127.0.0.1", port=port,
                                           log_level="warning"))

@@ -12,12 +12,8 @@ MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def llm():
-    try:
-        BUNDLED_MODELS[MODEL].gguf_parts()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    return LocalLLM(MODEL)
+def llm(smollm):
+    return smollm
 
 
 def test_conversion_keeps_the_gguf_weights_exactly(llm):

@@ -24,12 +24,14 @@ def test_gradient_selection_hand_computed():
     assert GradientSelector(min_k=5, max_k=8).select([0.9, 0.1]) == 2
 
 
-def test_gradient_selection_on_negative_logits_through_the_sigmoid():
+def test_gradient_selection_on_negative_logits_through_the_transform():
     logits = np.array([-1.0, -1.2, -4.0])
     s = positive_scores(logits, "logit")
-    np.testing.assert_allclose(s, 1 / (1 + np.exp(-logits)))
-    # sigmoid: 0.2689, 0.2315 (> 0.1793 keep), 0.0180 (< 0.1543 stop)
+    np.testing.assert_allclose(s, [1.0, np.exp(-0.2), np.exp(-3.0)])
+    # 0.8187 > 1 / 1.5 keep; 0.0498 < 0.8187 / 1.5 stop: a logit drop of 2.8 exceeds ln 1.5
     assert GradientSelector(g=1.5).select(s) == 2
+    # A constant offset (such as the fused reranker's dense term) changes nothing.
+    assert GradientSelector(g=1.5).select(positive_scores(logits + 50.0, "logit")) == 2
     with pytest.raises(ValueError, match="positive"):
         GradientSelector().select(logits)
 
