@@ -168,6 +168,34 @@ void PairScorer::run_block_scalar(const float* x, std::size_t first, std::size_t
 
 #ifdef CERTRAG_X86
 
+namespace {
+
+// One register tile of 8 hidden units x 48 pairs: relu(acc + b1) weighted by w2, added into the pairs' logits.
+// Shared by the float32 and bfloat16 AVX-512 kernels; always inlined so the arrays stay in registers.
+__attribute__((target("avx512f"), always_inline)) inline void tile_epilogue_avx512(const __m512 (&acc)[8][3],
+                                                                                  const float* b1, const float* w2,
+                                                                                  __m512 (&logit)[3]) {
+  const __m512 zero = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (std::size_t r = 0; r < 8; ++r) {
+    const __m512 bias = _mm512_set1_ps(b1[r]);
+    const __m512 out_w = _mm512_set1_ps(w2[r]);
+#pragma GCC unroll 3
+    for (std::size_t v = 0; v < 3; ++v)
+      logit[v] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_add_ps(acc[r][v], bias), zero), out_w, logit[v]);
+  }
+}
+
+__attribute__((target("avx512f"), always_inline)) inline void store_probabilities_avx512(const __m512 (&logit)[3],
+                                                                                        std::size_t count,
+                                                                                        float* out) {
+  alignas(64) float z[48];
+  for (std::size_t v = 0; v < 3; ++v) _mm512_store_ps(z + 16 * v, logit[v]);
+  for (std::size_t c = 0; c < count; ++c) out[c] = sigmoid(z[c]);
+}
+
+}  // namespace
+
 __attribute__((target("avx512f"))) void PairScorer::run_block_avx512(const float* x, std::size_t first,
                                                                       std::size_t count, float* panel,
                                                                       float* out) const {
@@ -194,19 +222,9 @@ __attribute__((target("avx512f"))) void PairScorer::run_block_avx512(const float
         acc[r][2] = _mm512_fmadd_ps(wr, f2, acc[r][2]);
       }
     }
-    const __m512 zero = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (std::size_t r = 0; r < MR; ++r) {
-      const __m512 bias = _mm512_set1_ps(b1_[t * MR + r]);
-      const __m512 out_w = _mm512_set1_ps(w2_[t * MR + r]);
-#pragma GCC unroll 3
-      for (std::size_t v = 0; v < NV; ++v)
-        logit[v] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_add_ps(acc[r][v], bias), zero), out_w, logit[v]);
-    }
+    tile_epilogue_avx512(acc, b1_.data() + t * MR, w2_.data() + t * MR, logit);
   }
-  alignas(64) float z[NR];
-  for (std::size_t v = 0; v < NV; ++v) _mm512_store_ps(z + 16 * v, logit[v]);
-  for (std::size_t c = 0; c < count; ++c) out[c] = sigmoid(z[c]);
+  store_probabilities_avx512(logit, count, out);
 }
 
 __attribute__((target("avx2,fma"))) void PairScorer::run_block_avx2(const float* x, std::size_t first,
@@ -301,19 +319,9 @@ __attribute__((target("avx512f,avx512bf16"))) void PairScorer::run_block_bf16(co
         acc[r][2] = _mm512_dpbf16_ps(acc[r][2], wr, f2);
       }
     }
-    const __m512 zero = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (std::size_t r = 0; r < MR; ++r) {
-      const __m512 bias = _mm512_set1_ps(b1_[t * MR + r]);
-      const __m512 out_w = _mm512_set1_ps(w2_[t * MR + r]);
-#pragma GCC unroll 3
-      for (std::size_t v = 0; v < NV; ++v)
-        logit[v] = _mm512_fmadd_ps(_mm512_max_ps(_mm512_add_ps(acc[r][v], bias), zero), out_w, logit[v]);
-    }
+    tile_epilogue_avx512(acc, b1_.data() + t * MR, w2_.data() + t * MR, logit);
   }
-  alignas(64) float z[NR];
-  for (std::size_t v = 0; v < NV; ++v) _mm512_store_ps(z + 16 * v, logit[v]);
-  for (std::size_t c = 0; c < count; ++c) out[c] = sigmoid(z[c]);
+  store_probabilities_avx512(logit, count, out);
 }
 
 #else
