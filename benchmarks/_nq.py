@@ -22,7 +22,8 @@ def nq_store(embedder, reranker):
     config = nq_config()
     store = _common.DATA_DIR / "nq_store"
     if (store / "CURRENT").exists():
-        engine = Engine.open(store, embedder=embedder, reranker=reranker)
+        # Read-only: several benchmark workers may hold it at once.
+        engine = Engine.open(store, read_only=True, embedder=embedder, reranker=reranker)
         if engine.config == config and len(engine.documents) == len(corpus):
             return engine, corpus
         engine.close()

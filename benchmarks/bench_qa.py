@@ -60,8 +60,12 @@ def main() -> None:
         worker(args)
         return
 
-    from certrag.eval.qa import QARow, markdown, summarise
+    from _nq import cached_embedder, nq_store
 
+    from certrag.eval.qa import QARow, markdown, summarise
+    from certrag.rerank import CrossEncoderReranker
+
+    nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # build it once, before the workers
     procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), "--workers", str(args.workers),
                                "--questions", str(args.questions), "--conditions", str(args.conditions),
                                "--model", args.model], stdout=subprocess.PIPE, text=True)
@@ -80,11 +84,8 @@ def main() -> None:
 
     # One question end to end, with each stage's share.
     _common.pin_threads(1)
-    from _nq import cached_embedder, nq_store
-
     from certrag.eval.nq import load_nq_open
     from certrag.llm import LocalLLM
-    from certrag.rerank import CrossEncoderReranker
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model)
