@@ -107,8 +107,12 @@ class Engine:
         self._reranker = reranker
         self._llm = None
         self._chunker = None
-        self._position = {int(c): i for i, c in enumerate(data.ids)}
+        self._reindex()
         self.last_report: BuildReport | None = None
+
+    def _reindex(self) -> None:
+        """Chunk id -> row in chunks / vectors, rebuilt after every write."""
+        self._position = {int(c): i for i, c in enumerate(self._data.ids)}
 
     # ------------------------------------------------------------------------------------------- construction
 
@@ -204,14 +208,7 @@ class Engine:
         if self._chunker is None:
             from certrag.segment import make_chunker
 
-            seg = self.config.segmenter
-            if self.config.chunker == "sage":
-                from certrag.segment import Segmenter
-
-                self._chunker = Segmenter(embedder=self._embedder, config=seg)
-            else:
-                self._chunker = make_chunker(self.config.chunker, min_tokens=seg.min_tokens,
-                                             max_tokens=seg.max_tokens, embedder=self._embedder)
+            self._chunker = make_chunker(self.config.chunker, self.config.segmenter, embedder=self._embedder)
         return self._chunker
 
     def _writable(self) -> None:
@@ -260,7 +257,7 @@ class Engine:
         data.vectors = np.concatenate([data.vectors, vectors]) if len(vectors) else data.vectors
         data.next_chunk_id = next_id
         write_store(self.path, data)
-        self._position = {int(c): i for i, c in enumerate(data.ids)}
+        self._reindex()
         report = BuildReport(documents=len(docs), chunks=len(new_chunks), skipped_empty=skipped,
                              seconds=time.perf_counter() - started)
         self.last_report = report
@@ -289,7 +286,7 @@ class Engine:
         for d in doc_ids:
             del data.documents[d]
         write_store(self.path, data)
-        self._position = {int(c): i for i, c in enumerate(data.ids)}
+        self._reindex()
         return len(gone)
 
     # ------------------------------------------------------------------------------------------------ reading
