@@ -239,7 +239,12 @@ def search(store: Path, question: str, candidates: int | None, selector: str | N
 @click.option("--model", default=None, help="A bundled model name or a transformers folder (default: the bundled "
                                             "Qwen2.5-Coder-0.5B-Instruct).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer, notes, tokens, cost and trace as JSON.")
-def ask(store: Path, question: str, strategy: str, model: str | None, as_json: bool) -> None:
+@click.option("--certify", is_flag=True,
+              help="Send only the chunks trusted under the store's conformal calibration (see `certrag calibrate`); "
+                   "not applied when its diagnostics say the guarantee does not hold.")
+@click.option("--force-certify", is_flag=True, help="Filter to the trusted chunks even when the guarantee fails.")
+def ask(store: Path, question: str, strategy: str, model: str | None, as_json: bool, certify: bool,
+        force_certify: bool) -> None:
     """Answer QUESTION from STORE with a local LLM."""
     from certrag.llm import LocalLLM
 
@@ -250,7 +255,7 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
             except (ValueError, RuntimeError) as exc:
                 raise click.ClickException(str(exc)) from None
         try:
-            a = engine.answer(question, strategy=strategy)
+            a = engine.answer(question, strategy=strategy, certify=certify, force_certify=force_certify)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
     if as_json:
@@ -262,6 +267,57 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
     click.echo(f"({a.strategy}; {a.rounds} round(s); cites chunks {list(a.cited_chunk_ids)}; "
                f"{a.input_tokens} in / {a.output_tokens} out tokens; cost {a.cost:.6f}; "
                f"retrieve {a.trace['retrieve_ms']:.0f} ms, generate {a.trace['generate_ms']:.0f} ms)")
+    c = a.certification
+    if c is not None:
+        click.echo(f"(certified at alpha {c.alpha}: {c.trusted_count} of {len(c.trusted)} candidates trusted; "
+                   + ("context filtered to them)" if c.applied else f"NOT filtered: {c.reason})"))
+
+
+@main.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.option("--data", required=True,
+              help="Calibration items: a JSONL file (question, answers, optional source_id / source) or "
+                   "'nq-open:calibration' for the bundled NQ-open calibration split.")
+@click.option("--alpha", default=0.1, show_default=True, help="Miss rate: a correct chunk is trusted with "
+                                                                  "probability >= 1 - alpha.")
+@click.option("--holdout", default=0.3, show_default=True,
+              help="Fraction of the items (by a stable hash of the question) held out to check coverage.")
+@click.option("--eval-data", default=None, help="Held-out items to check on instead of a holdout fraction.")
+@click.option("--answer-threshold", default=0.8, show_default=True,
+              help="A chunk is correct when a reference answer's RougeL recall in it reaches this.")
+@click.option("--plot", type=click.Path(path_type=Path), default=None,
+              help="Write the calibration plot (coverage against 1 - alpha over a sweep of alpha) as PNG.")
+@click.option("--dry-run", is_flag=True, help="Report without storing the calibration.")
+@click.option("--json", "as_json", is_flag=True, help="Print the calibration record as JSON.")
+def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: str | None, answer_threshold: float,
+              plot: Path | None, dry_run: bool, as_json: bool) -> None:
+    """Conformal calibration of STORE's retrieval scores, stored with the store and used by `ask --certify`."""
+    from certrag.conformal import CalibrationError, calibrate as run, coverage_sweep, plot_sweep
+
+    with _open_engine(store, read_only=dry_run) as engine:
+        try:
+            record, cal, held = run(engine, data, alpha=alpha, holdout=holdout, eval_data=eval_data,
+                                    answer_threshold=answer_threshold)
+            if not dry_run:
+                engine.set_calibration(record)
+        except (CalibrationError, ValueError, FileNotFoundError) as exc:
+            raise click.ClickException(str(exc)) from None
+    if plot is not None:
+        alphas = [a for a in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)]
+        plot_sweep(coverage_sweep(cal, held, alphas), plot, title=f"{store.name}: held-out coverage")
+    if as_json:
+        click.echo(json.dumps(record.to_dict(), indent=2))
+        return
+    d = record.diagnostics
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    click.echo(f"alpha {record.alpha}  s_thres {fmt(record.s_thres)}  ({record.score_transform}; n = {record.n} "
+               f"calibration items, {d.n_eval} held out)")
+    click.echo(f"held-out coverage {fmt(d.coverage)} (target {1 - record.alpha:.2f})  m1 {fmt(d.m1)}  m2 {fmt(d.m2)}  "
+               f"mean trusted {fmt(d.mean_trusted)}  retrieval recall {fmt(d.retrieval_recall)}")
+    click.echo("guarantee holds" if d.holds else "guarantee does NOT hold: " + "; ".join(d.reasons)
+               + "\n`ask --certify` will not filter (use --force-certify to filter anyway)")
+    if not dry_run:
+        click.echo(f"stored in {store}")
 
 
 @main.command()

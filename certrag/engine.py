@@ -75,9 +75,11 @@ class Answer:
     model: str = ""
     trace: dict = field(default_factory=dict)
     retrieval: Retrieval | None = None
+    certification: object = None  # certrag.conformal.Certification when answer(certify=True)
 
     def to_dict(self) -> dict:
         return {"question": self.question, "answer": self.text, "strategy": self.strategy,
+                "certification": self.certification.to_dict() if self.certification is not None else None,
                 "cited_chunk_ids": list(self.cited_chunk_ids),
                 "notes": [{"passage": n.passage, "kind": n.kind, "text": n.text} for n in self.notes],
                 "rejected": self.rejected, "malformed": self.malformed, "rounds": self.rounds,
@@ -107,6 +109,7 @@ class Engine:
         self._reranker = reranker
         self._llm = None
         self._chunker = None
+        self._calibration = None
         self._reindex()
         self.last_report: BuildReport | None = None
 
@@ -131,6 +134,9 @@ class Engine:
         path.mkdir(parents=True, exist_ok=True)
         lock = StoreLock(path)
         try:
+            from certrag.conformal import CALIBRATION_FILE
+
+            (path / CALIBRATION_FILE).unlink(missing_ok=True)  # a calibration of the store being replaced
             embedder = embedder or cls._default_embedder(config)
             reranker = cls._resolve_reranker(config, reranker)
             index = HnswIndex(embedder.dim, config.index.metric, config.index.M, config.index.ef_construction)
@@ -306,7 +312,84 @@ class Engine:
         return {"path": str(self.path), "format_version": m.get("format_version"), "written": m.get("written"),
                 "documents": len(self._data.documents), "chunks": len(self._data.chunks),
                 "models": self._data.models, "config": self.config.to_dict(),
-                "index": {k: v for k, v in self._data.index.stats().items() if k != "nodes_per_level"}}
+                "index": {k: v for k, v in self._data.index.stats().items() if k != "nodes_per_level"},
+                "calibration": self._calibration_summary()}
+
+    def _calibration_summary(self) -> dict | None:
+        from certrag.conformal import CalibrationError
+
+        try:
+            cal = self.calibration
+        except CalibrationError as exc:
+            return {"error": str(exc)}
+        if cal is None:
+            return None
+        d = cal.diagnostics
+        return {"alpha": cal.alpha, "s_thres": cal.s_thres, "n": cal.n, "holds": d.holds,
+                "coverage": d.coverage, "m1": d.m1, "m2": d.m2, "created": cal.created}
+
+    # ------------------------------------------------------------------------------------- certified retrieval
+
+    @property
+    def embedder_name(self) -> str:
+        return self._data.models.get("embedder")
+
+    def reranker_identity(self) -> dict | None:
+        if self._reranker is None:
+            return None
+        identity = getattr(self._reranker, "identity", None)
+        return dict(identity) if identity is not None else {"name": getattr(self._reranker, "name", "reranker")}
+
+    @property
+    def calibration(self):
+        """The stored conformal calibration (certrag.conformal.Calibration), or None when the store has none."""
+        from certrag.conformal import CALIBRATION_FILE, Calibration
+
+        if self._calibration is None and (self.path / CALIBRATION_FILE).exists():
+            self._calibration = Calibration.load(self.path / CALIBRATION_FILE)
+        return self._calibration
+
+    def set_calibration(self, calibration) -> None:
+        """Stores a calibration with the store (atomically), after checking it matches this engine's models."""
+        from certrag.conformal import CALIBRATION_FILE
+
+        self._writable()
+        calibration.check_identity(self.embedder_name, self.reranker_identity())
+        calibration.save(self.path / CALIBRATION_FILE)
+        self._calibration = calibration
+
+    def calibrate(self, data: object, *, alpha: float = 0.1, holdout: float = 0.3, eval_data: object = None,
+                  save: bool = True, progress: bool = True, **judge):
+        """Conformal calibration of the retrieval scores (certrag.conformal.calibrate) on data: a JSONL path,
+        'nq-open:calibration', or a list of items. Stored with the store unless save=False; returns the record."""
+        from certrag.conformal import calibrate
+
+        if save:
+            self._writable()
+        record, _, _ = calibrate(self, data, alpha=alpha, holdout=holdout, eval_data=eval_data, progress=progress,
+                                 **judge)
+        if save:
+            self.set_calibration(record)
+        return record
+
+    def certify(self, retrieval: Retrieval, *, force: bool = False):
+        """Marks each candidate trusted or not under the stored calibration. applied is True when the diagnostics
+        say the guarantee holds (or force): only then should the context shrink to the trusted candidates."""
+        from certrag.conformal import CalibrationError, Certification, calibrated_scores
+
+        cal = self.calibration
+        if cal is None:
+            raise CalibrationError(f"{self.path} has no calibration: run `certrag calibrate` (or "
+                                   "engine.calibrate) first")
+        cal.check_identity(self.embedder_name, self.reranker_identity())
+        scores = calibrated_scores(retrieval.rerank_scores, retrieval.dense_scores, cal.score_transform)
+        trusted = cal.trusted(scores)
+        if cal.holds or force:
+            return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=True,
+                                 reason="forced although the guarantee does not hold" if not cal.holds else "")
+        return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=False,
+                             reason="the guarantee does not hold for this retriever and data: "
+                                    + "; ".join(cal.diagnostics.reasons))
 
     @property
     def llm(self):
@@ -321,11 +404,17 @@ class Engine:
         self._llm = value
 
     def answer(self, question: str, strategy: str = "plain", *, qtype: str = "open",
-               options: list[str] | None = None, prices=None, max_new_tokens: int | None = None) -> Answer:
+               options: list[str] | None = None, prices=None, max_new_tokens: int | None = None,
+               certify: bool = False, force_certify: bool = False) -> Answer:
         """Retrieves, then answers with a strategy: plain, chain_of_note, feedback (SAGE's loop around plain) or
         feedback:chain_of_note. The feedback loop re-selects from the same reranked candidates with min_k moved by
         the model's flag, so retrieval runs once. max_new_tokens overrides the strategy's budget (for
-        chain_of_note it is per passage)."""
+        chain_of_note it is per passage).
+
+        certify=True marks every candidate trusted or not under the store's conformal calibration and, when its
+        diagnostics say the guarantee holds (or force_certify=True), sends the trusted candidates instead of the
+        selector's cut (at most selection.max_k); with none trusted the answer is "unknown", counted as a rejection,
+        and no LLM call is made."""
         import dataclasses as dc
 
         from certrag.cost import PriceTable
@@ -341,6 +430,18 @@ class Engine:
         base = STRATEGIES[base_name]() if max_new_tokens is None else STRATEGIES[base_name](max_new_tokens=max_new_tokens)
         t0 = time.perf_counter()
         r = self.retrieve(question)
+        certification, limit = None, len(r.chunk_ids)
+        if certify or force_certify:
+            certification = self.certify(r, force=force_certify)
+            if certification.applied:
+                limit = min(certification.trusted_count, self.config.selection.max_k)
+                r = dc.replace(r, selected=limit)
+                if limit == 0:
+                    trace = dict(r.trace, retrieve_ms=(time.perf_counter() - t0) * 1e3, generate_ms=0.0,
+                                 llm_calls=0, history=[])
+                    return Answer(question=question, text="unknown", strategy=strategy, cited_chunk_ids=(),
+                                  rejected=True, model=getattr(self._llm, "name", ""), trace=trace, retrieval=r,
+                                  certification=certification)
         t1 = time.perf_counter()
         positive = (positive_scores(r.rerank_scores, "logit") if not np.isnan(r.rerank_scores).all()
                     else positive_scores(r.dense_scores, "cosine"))
@@ -355,10 +456,10 @@ class Engine:
 
             def retrieve_k(min_k: int) -> list:
                 sel = dc.replace(gradient, min_k=min_k, max_k=max(min_k, gradient.max_k)).make()
-                return passages_for(sel.select(positive))
+                return passages_for(min(sel.select(positive), limit))
 
-            result = Feedback(base=base).run_adaptive(question, retrieve_k, llm, sel_cfg.min_k, qtype, options,
-                                                      max_k=len(r.chunk_ids) or 1)
+            result = Feedback(base=base).run_adaptive(question, retrieve_k, llm, min(sel_cfg.min_k, limit), qtype,
+                                                      options, max_k=limit or 1)
         else:
             result = base.run(question, passages_for(r.selected), llm, qtype, options)
         t2 = time.perf_counter()
@@ -374,14 +475,15 @@ class Engine:
         return Answer(question=question, text=result.text, strategy=strategy, cited_chunk_ids=cited,
                       notes=result.notes, rejected=result.rejected, malformed=result.malformed, rounds=result.rounds,
                       input_tokens=result.input_tokens, output_tokens=result.output_tokens, cost=cost, model=model,
-                      trace=trace, retrieval=r)
+                      trace=trace, retrieval=r, certification=certification)
 
     def retrieve(self, question: str | Sequence[str], *, candidates: int | None = None,
-                 selector=None) -> "Retrieval | list[Retrieval]":
+                 selector=None, rerank: bool | None = None) -> "Retrieval | list[Retrieval]":
         """Embeds, searches, reranks and selects. A string gives one Retrieval; a list gives a list, run batched.
 
-        candidates overrides config.retrieval.candidates (N); selector overrides the configured selector. Asking
-        for more candidates than the store holds returns what it has.
+        candidates overrides config.retrieval.candidates (N); selector overrides the configured selector; rerank=False
+        skips the cross-encoder for this call (the dense scores then rank and feed the selector). Asking for more
+        candidates than the store holds returns what it has.
         """
         single = isinstance(question, str)
         questions = [question] if single else list(question)
@@ -411,12 +513,12 @@ class Engine:
             chunks = [self._data.chunks[self._position[int(c)]] for c in ids]
             texts = [c["text"] for c in chunks]
             t3 = time.perf_counter()
-            if self._reranker is not None and len(ids):
-                rerank = self._reranker.score(q, texts, dense).astype(np.float32)
-                order = np.argsort(-rerank, kind="stable")
-                positive = positive_scores(rerank[order], "logit")
+            if self._reranker is not None and rerank is not False and len(ids):
+                rerank_scores = self._reranker.score(q, texts, dense).astype(np.float32)
+                order = np.argsort(-rerank_scores, kind="stable")
+                positive = positive_scores(rerank_scores[order], "logit")
             else:
-                rerank = np.full(len(ids), np.nan, dtype=np.float32)
+                rerank_scores = np.full(len(ids), np.nan, dtype=np.float32)
                 order = np.arange(len(ids))
                 positive = positive_scores(dense, "cosine")
             t4 = time.perf_counter()
@@ -424,9 +526,10 @@ class Engine:
             t5 = time.perf_counter()
             out.append(Retrieval(
                 question=q, chunk_ids=ids[order], doc_ids=tuple(chunks[i]["doc_id"] for i in order),
-                texts=tuple(texts[i] for i in order), dense_scores=dense[order], rerank_scores=rerank[order],
+                texts=tuple(texts[i] for i in order), dense_scores=dense[order], rerank_scores=rerank_scores[order],
                 selected=int(selected),
                 trace={"embed_ms": embed_ms, "search_ms": search_ms, "rerank_ms": (t4 - t3) * 1e3,
                        "select_ms": (t5 - t4) * 1e3, "candidates": int(len(ids)),
-                       "reranker": getattr(self._reranker, "name", None), "selector": selector.name}))
+                       "reranker": getattr(self._reranker, "name", None) if rerank is not False else None,
+                       "selector": selector.name}))
         return out[0] if single else out

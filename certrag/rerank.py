@@ -48,6 +48,20 @@ class CrossEncoderReranker:
         self._torch = torch
         self.batch_size = batch_size
         self._lock = threading.Lock()
+        self._identity = None
+
+    @property
+    def identity(self) -> dict:
+        """What a calibration must match: the name, the SHA-256 of the weights and the fusion weight."""
+        if self._identity is None:
+            import hashlib
+
+            h = hashlib.sha256()
+            for f in sorted(self.model_dir.glob("*.safetensors")):
+                h.update(f.read_bytes())
+            self._identity = {"name": self.name, "weights_sha256": h.hexdigest()[:16],
+                              "dense_weight": self.dense_weight}
+        return self._identity
 
     @classmethod
     def default(cls) -> "CrossEncoderReranker":

@@ -73,6 +73,17 @@ def _write(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Replaces path with data so that a reader sees either the old file or the whole new one, even after a kill."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        _write(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
 class StoreLock:
     """An exclusive advisory lock on DIR/.lock for the lifetime of a writable engine."""
 

@@ -1,0 +1,281 @@
+"""Certified retrieval: the split-conformal quantile, its coverage, the diagnostics, and the engine's use of them."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from certrag.conformal import (Calibration, CalibrationError, CalibrationItem, ChunkJudge, Diagnostics, ScoredItems,
+                               conformal_quantile, diagnose, load_calibration_items, min_calibration_size, threshold)
+
+# ------------------------------------------------------------------------------------------------ the quantile
+
+
+def test_quantile_hand_computed():
+    r = [0.9, 0.1, 0.5, 0.3, 0.7, 0.2, 0.8, 0.4, 0.6]  # n = 9
+    # alpha 0.1: ceil(10 * 0.9) = 9 -> the largest; alpha 0.2: ceil(10 * 0.8) = 8 -> 0.8; alpha 0.5: ceil(5) = 5.
+    assert conformal_quantile(r, 0.1) == 0.9
+    assert conformal_quantile(r, 0.2) == 0.8
+    assert conformal_quantile(r, 0.5) == 0.5
+    # n = 19, alpha 0.1: ceil(20 * 0.9) = 18 -> the 18th smallest of 1..19.
+    assert conformal_quantile(np.arange(1, 20)[::-1], 0.1) == 18
+    # alpha 0.25 with n = 10: ceil(11 * 0.75) = ceil(8.25) = 9.
+    assert conformal_quantile(np.arange(10), 0.25) == 8
+    # +inf nonconformity (no correct chunk retrieved) sorts last: n = 10 needs rank ceil(9.9) = 10, the inf;
+    # n = 20 with one inf needs rank ceil(18.9) = 19, the largest finite score.
+    assert math.isinf(conformal_quantile([0.1, np.inf, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9], 0.1))
+    assert conformal_quantile(list(np.arange(1, 20) / 10) + [np.inf], 0.1) == pytest.approx(1.9)
+    assert math.isinf(conformal_quantile([np.inf] * 3 + [0.1] * 6, 0.1))
+
+
+def test_minimum_calibration_size():
+    assert min_calibration_size(0.1) == 9
+    assert min_calibration_size(0.05) == 19
+    assert min_calibration_size(0.2) == 4
+    assert min_calibration_size(0.5) == 1
+    with pytest.raises(CalibrationError, match="at least 19 calibration items; got 18"):
+        conformal_quantile(np.zeros(18), 0.05)
+    for bad in (0, 1, -0.1, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="alpha"):
+            conformal_quantile(np.zeros(30), bad)
+    with pytest.raises(ValueError, match="NaN"):
+        conformal_quantile([0.1] * 20 + [float("nan")], 0.1)
+
+
+def test_quantile_agrees_with_crepes():
+    crepes = pytest.importorskip("crepes")
+    rng = np.random.default_rng(3)
+    checked = 0
+    for n in (37, 100, 251):
+        residuals = rng.exponential(size=n)
+        for alpha in (0.05, 0.1, 0.2, 0.33):
+            if abs((n + 1) * alpha - round((n + 1) * alpha)) < 1e-6:
+                continue  # crepes floors (n+1) alpha in floating point; skip the exact-integer cases
+            cr = crepes.ConformalRegressor()
+            cr.fit(residuals)
+            half_width = cr.predict_int(np.zeros(1), confidence=1 - alpha)[0, 1]
+            assert conformal_quantile(residuals, alpha) == pytest.approx(half_width, abs=0)
+            checked += 1
+    assert checked >= 10
+
+
+def _synthetic(rng, n, candidates=10, miss=0.03):
+    """Exchangeable items: random candidate scores; the correct one (when retrieved) tends to score higher."""
+    out = ScoredItems()
+    for _ in range(n):
+        s = rng.uniform(0, 1, candidates)
+        c = np.zeros(candidates, dtype=bool)
+        if rng.uniform() > miss:
+            j = rng.integers(candidates)
+            s[j] = rng.beta(4, 2)
+            c[j] = True
+        order = np.argsort(-s)
+        out.scores.append(s[order])
+        out.correct.append(c[order])
+    return out
+
+
+def test_coverage_on_exchangeable_data_lands_within_the_finite_sample_bounds():
+    # For continuous scores, E[coverage] lies in [1 - alpha, 1 - alpha + 1/(n+1)] (Vovk; Angelopoulos & Bates).
+    alpha, n, seeds = 0.1, 60, 150
+    coverages = []
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        s = threshold(_synthetic(rng, n).best_correct(), alpha)
+        d = diagnose(_synthetic(rng, 800), s, alpha)
+        coverages.append(d.coverage)
+    mean, se = float(np.mean(coverages)), float(np.std(coverages) / np.sqrt(seeds))
+    assert 1 - alpha - 3 * se <= mean <= 1 - alpha + 1 / (n + 1) + 3 * se, (mean, se)
+
+
+def test_diagnostics_flag_a_broken_retriever():
+    rng = np.random.default_rng(0)
+    good = _synthetic(rng, 200)
+    s = threshold(good.best_correct(), 0.1)
+    assert diagnose(_synthetic(rng, 300), s, 0.1).holds
+    # A retriever that surfaces a correct chunk for only half of the questions: the quantile is unbounded.
+    broken_cal = _synthetic(rng, 200, miss=0.5)
+    s_broken = threshold(broken_cal.best_correct(), 0.1)
+    assert s_broken is None
+    d = diagnose(_synthetic(rng, 300, miss=0.5), s_broken, 0.1)
+    assert not d.holds and any("unbounded" in r for r in d.reasons) and d.retrieval_recall < 0.6
+    # Calibrated on a good retriever, deployed on a broken one: coverage falls short and the verdict says so.
+    d = diagnose(_synthetic(rng, 300, miss=0.5), s, 0.1)
+    assert not d.holds and any("coverage" in r for r in d.reasons)
+
+
+# ------------------------------------------------------------------------------------------ items and judging
+
+
+def test_calibration_items_load_and_bad_sets_are_refused(tmp_path):
+    good = tmp_path / "cal.jsonl"
+    good.write_text(json.dumps({"question": "q1", "answers": ["a", "b"], "source_id": "d1"}) + "\n\n"
+                    + json.dumps({"question": "q2", "answer": "c", "source": "passage"}) + "\n")
+    items = load_calibration_items(good)
+    assert items == [CalibrationItem(question="q1", answers=("a", "b"), source_id="d1"),
+                     CalibrationItem(question="q2", answers=("c",), source_text="passage")]
+    cases = {'{"answers": ["a"]}': "question", '{"question": "q"}': "answers", '{"question": "q", "answers": []}':
+             "answers", '{"question": "q", "answers": ["a"], "source": 3}': "source", "[1]": "object",
+             "{oops": "JSON"}
+    for line, field in cases.items():
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(line + "\n")
+        with pytest.raises(CalibrationError, match=field):
+            load_calibration_items(bad)
+    with pytest.raises(CalibrationError, match="empty"):
+        load_calibration_items([])
+    with pytest.raises(FileNotFoundError, match="data"):
+        load_calibration_items(tmp_path / "missing.jsonl")
+    assert len(load_calibration_items("nq-open:calibration")) == 533
+
+
+def test_chunk_judge_hand_cases():
+    pytest.importorskip("rouge_score")
+    judge = ChunkJudge(answer_threshold=0.8, source_threshold=0.9)
+    item = CalibrationItem(question="q", answers=("Barack Obama", "Obama"), source_id="doc-7",
+                           source_text="The 44th president was Barack Obama. He served two terms from 2009.")
+    texts = ["Unrelated text about rivers and lakes.",
+             "He served two terms from 2009.",  # a piece of the source passage
+             "Mr. Obama gave a speech.",  # answer 'Obama' fully recalled
+             "Barack went home.",  # 'Barack Obama' recall 0.5, 'Obama' 0
+             "Something else entirely."]
+    got = judge.correct(item, ["d1", "d2", "d3", "d4", "doc-7"], texts)
+    assert got.tolist() == [False, True, True, False, True]
+
+
+# ------------------------------------------------------------------------------------------- the record
+
+
+def _record(**changes):
+    base = dict(alpha=0.1, s_thres=0.7, n=50, score_transform="(1+cos)/2", embedder="e", reranker=None,
+                candidates=8, answer_threshold=0.8, source_threshold=0.9, created="2026-01-01T00:00:00Z",
+                diagnostics=Diagnostics(n_eval=20, coverage=0.9, m1=0.95, m2=0.3, mean_trusted=2.4,
+                                        retrieval_recall=0.97, holds=True))
+    base.update(changes)
+    return Calibration(**base)
+
+
+def test_record_round_trips_and_checks_identity(tmp_path):
+    rec = _record()
+    rec.save(tmp_path / "c.json")
+    assert Calibration.load(tmp_path / "c.json") == rec
+    assert not list(tmp_path.glob(".*tmp*"))
+    rec.check_identity("e", None)
+    with pytest.raises(CalibrationError, match="embedder"):
+        rec.check_identity("other", None)
+    with pytest.raises(CalibrationError, match="reranker"):
+        rec.check_identity("e", {"name": "ce"})
+    (tmp_path / "new.json").write_text(json.dumps({**rec.to_dict(), "format_version": 99}))
+    with pytest.raises(CalibrationError, match="newer"):
+        Calibration.load(tmp_path / "new.json")
+    (tmp_path / "broken.json").write_text('{"alpha": 0.1}')
+    with pytest.raises(CalibrationError, match="damaged"):
+        Calibration.load(tmp_path / "broken.json")
+    np.testing.assert_array_equal(rec.trusted(np.array([0.9, 0.7, 0.69])), [True, True, False])
+    np.testing.assert_array_equal(_record(s_thres=None).trusted(np.array([0.1, 0.0])), [True, True])
+
+
+# --------------------------------------------------------------------------------- with the real engine
+
+
+@pytest.fixture(scope="module")
+def wiki_engine(tmp_path_factory):
+    pytest.importorskip("torch")
+    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.engine import Engine
+    from certrag.eval.corpus import wiki_leads
+
+    rows = wiki_leads()[:300]
+    docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in rows]
+    items = [{"question": d, "answers": [t], "source_id": f"wiki:{t}"} for t, _, d in rows if d][:240]
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8, rerank=False))
+    path = tmp_path_factory.mktemp("conformal") / "store"
+    engine = Engine.build(docs, path, config, progress=False)
+    yield engine, path, docs, items
+    engine.close()
+
+
+class RandomEmbedder:
+    """A deliberately broken retriever: unit vectors from a hash of the text, unrelated to its meaning (token counts
+    still come from the real embedder's tokenizer, for the chunker)."""
+
+    name = "random-embedder"
+    dim = 32
+
+    def __init__(self):
+        from certrag.embed import Embedder
+
+        self._real = Embedder.default()
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def embed(self, texts, **_):
+        import hashlib
+
+        out = np.zeros((len(texts), self.dim), np.float32)
+        for i, t in enumerate(texts):
+            seed = int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little")
+            v = np.random.default_rng(seed).standard_normal(self.dim)
+            out[i] = v / np.linalg.norm(v)
+        return out
+
+
+def test_engine_calibration_on_a_real_retriever_holds_and_is_stored(wiki_engine):
+    from certrag.engine import Engine
+
+    engine, path, _, items = wiki_engine
+    rec = engine.calibrate(items, alpha=0.2, holdout=0.3, progress=False)
+    d = rec.diagnostics
+    assert rec.n + d.n_eval == len(items) and rec.n >= 150
+    assert rec.score_transform == "(1+cos)/2" and rec.s_thres is not None and 0 < rec.s_thres < 1
+    assert d.holds, d.reasons
+    assert d.coverage >= 0.8 - 2 * math.sqrt(0.16 / d.n_eval) and d.m1 >= d.coverage
+    assert 0 < d.m2 < 1 and d.retrieval_recall >= d.coverage
+    with Engine.open(path, read_only=True) as again:
+        assert again.calibration == rec
+        assert again.info()["calibration"]["holds"] is True
+        r = again.retrieve(items[0]["question"])
+        c = again.certify(r)
+        assert c.applied and c.trusted.tolist() == (c.scores >= rec.s_thres).tolist()
+        np.testing.assert_allclose(c.scores, (1 + r.dense_scores.astype(np.float64)) / 2)
+
+
+def test_engine_calibration_on_a_broken_retriever_reports_failure(tmp_path, wiki_engine):
+    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.engine import Engine
+
+    _, _, docs, items = wiki_engine
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8, rerank=False))
+    with Engine.build(docs, tmp_path / "broken", config, embedder=RandomEmbedder(), progress=False) as engine:
+        rec = engine.calibrate(items, alpha=0.1, progress=False)
+        assert not rec.holds and rec.diagnostics.retrieval_recall < 0.5
+        c = engine.certify(engine.retrieve(items[0]["question"]))
+        assert not c.applied and "does not hold" in c.reason
+        assert engine.certify(engine.retrieve(items[0]["question"]), force=True).applied
+        with pytest.raises(CalibrationError, match="at least 9 calibration items; got 5"):
+            engine.calibrate(items[:5], alpha=0.1, eval_data=items[5:10], progress=False)
+
+
+def test_a_calibration_from_another_model_is_refused(wiki_engine):
+    engine, *_ = wiki_engine
+    with pytest.raises(CalibrationError, match="embedder"):
+        engine.set_calibration(_record(embedder="sentence-transformers/other"))
+    assert engine.calibration is None or engine.calibration.embedder == engine.embedder_name
+
+
+def test_certified_answer_with_nothing_trusted_is_unknown_without_an_llm_call(wiki_engine):
+    engine, _, _, items = wiki_engine
+
+    class NoCalls:
+        name = "no-calls"
+
+        def generate(self, *a, **k):
+            raise AssertionError("the LLM must not be called")
+
+    engine.set_calibration(_record(embedder=engine.embedder_name, s_thres=1.01))
+    engine.llm = NoCalls()
+    a = engine.answer(items[0]["question"], certify=True)
+    assert a.text == "unknown" and a.rejected and a.cited_chunk_ids == ()
+    assert a.certification.applied and a.certification.trusted_count == 0 and a.retrieval.selected == 0
