@@ -1,0 +1,226 @@
+"""Lookback ratios recorded during generation, without attention matrices and without output_attentions.
+
+Definitions (Lookback Lens, Chuang et al. 2024; chunk-wise variant of the certification paper; DESIGN.md): at a
+decode step, for layer l and head h with attention weights a_j over the cached positions, A(S) = mean_{j in S} a_j.
+  full-context ratio   LR = A(prompt) / (A(prompt) + A(new))
+  chunk-wise ratio     A(chunks) / (A(chunks) + A(new))   (the retrieved chunks' tokens only: the system prompt and
+                       the question are left out)
+  per chunk i          A(chunk_i) / (A(chunk_i) + A(new))
+where `new` is the generated tokens so far. Steps are the decode calls (query length 1), whose input is a generated
+token, so `new` always holds at least that token; a T-token answer gives T - 1 steps. Features are the ratios
+averaged over the steps, one per (layer, head).
+
+How: an attention function registered with transformers' AttentionInterface under the name "certrag_lookback"
+receives every attention call of generate(). It delegates the output to transformers' SDPA function (so recording
+changes no token) and, on decode calls, computes the span masses sum_{j in S} a_j for the spans [prompt, new,
+chunk_1..chunk_n]: on the CPU with one grouped-query matmul, a softmax and a cumulative sum (span_masses); on CUDA
+with the fused Triton kernel (certrag.kernels.lookback), whose output then replaces SDPA's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+ATTENTION_NAME = "certrag_lookback"
+_state = threading.local()
+_registered = False
+
+
+def span_masses(q, k, starts, ends, scale: float, attention_mask=None):
+    """sum of softmax weights over each span, for one query row per head: float32 (B, Hq, S).
+
+    q: (B, Hq, D); k: (B, Hkv, L, D) with Hq % Hkv == 0; starts / ends: (S,) or (B, S) with 0 <= start <= end <= L;
+    attention_mask: optional additive float or boolean (keep = True) mask broadcastable to (B, 1, L)."""
+    import torch
+
+    B, HQ, D = q.shape
+    HKV, L = k.shape[1], k.shape[2]
+    group = HQ // HKV
+    s = torch.matmul(q.reshape(B, HKV, group, D).float(), k.float().transpose(-1, -2)) * scale  # (B, Hkv, G, L)
+    s = s.reshape(B, HQ, L)
+    if attention_mask is not None:
+        m = attention_mask.reshape(B, -1, attention_mask.shape[-1])[..., :L]
+        s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+    w = torch.softmax(s, dim=-1)
+    cs = torch.nn.functional.pad(w.double().cumsum(-1), (1, 0))  # (B, Hq, L + 1), float64 so short late spans
+    starts = torch.as_tensor(starts, device=q.device).long()    # keep their precision
+    ends = torch.as_tensor(ends, device=q.device).long()
+    if starts.dim() == 1:
+        starts, ends = starts.expand(B, -1), ends.expand(B, -1)
+    idx_s = starts[:, None, :].expand(B, HQ, -1)
+    idx_e = ends[:, None, :].expand(B, HQ, -1)
+    return (cs.gather(-1, idx_e) - cs.gather(-1, idx_s)).float()
+
+
+def _lookback_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rec = getattr(_state, "recording", None)
+    if rec is None or query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    L = key.shape[2]
+    starts, ends = rec.spans(L)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[:, :, 0, :]
+    if query.is_cuda and attention_mask is None and rec.use_kernel:
+        from certrag.kernels.lookback import lookback_attention
+
+        out, mass = lookback_attention(q, key, value, starts.to(query.device), ends.to(query.device), scale)
+        rec.add(module.layer_idx, mass)
+        return out[:, None, :, :].to(query.dtype), None  # (B, 1, Hq, D): transformers' (batch, q_len, heads, dim)
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                 **kwargs)
+    rec.add(module.layer_idx, span_masses(q, key, starts, ends, scale, attention_mask))
+    return out
+
+
+def register() -> str:
+    """Registers the recording attention with transformers (once) and returns its name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, _lookback_attention)
+        try:  # the causal-mask builder for a custom name: the same masks SDPA gets
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+            AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        except ImportError:
+            pass
+        _registered = True
+    return ATTENTION_NAME
+
+
+class Recording:
+    """Span masses per decode step: masses[step] is float32 (layers, Hq, 2 + n_chunks) for the spans
+    [prompt, new, chunk_1 .. chunk_n], and kv_lengths[step] the cache length at that step."""
+
+    def __init__(self, prompt_len: int, chunk_spans: list[tuple[int, int]], num_layers: int,
+                 use_kernel: bool = True) -> None:
+        import torch
+
+        for a, b in chunk_spans:
+            if not 0 <= a <= b <= prompt_len:
+                raise ValueError(f"chunk span ({a}, {b}) must lie inside the prompt (0..{prompt_len})")
+        self.prompt_len = prompt_len
+        self.chunk_spans = list(chunk_spans)
+        self.num_layers = num_layers
+        self.use_kernel = use_kernel
+        self._starts = torch.tensor([0, prompt_len] + [a for a, _ in chunk_spans], dtype=torch.long)
+        self._ends_fixed = torch.tensor([prompt_len, 0] + [b for _, b in chunk_spans], dtype=torch.long)
+        self._step: dict[int, object] = {}
+        self.masses: list[np.ndarray] = []
+        self.kv_lengths: list[int] = []
+
+    def spans(self, kv_len: int):
+        ends = self._ends_fixed.clone()
+        ends[1] = kv_len
+        return self._starts, ends
+
+    def add(self, layer: int, mass) -> None:
+        if layer in self._step:  # a layer seen twice: the previous step is complete
+            self._flush()
+        self._step[layer] = mass[0].detach().float().cpu().numpy()  # batch 1
+        if len(self._step) == self.num_layers:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._step:
+            layers = sorted(self._step)
+            self.masses.append(np.stack([self._step[i] for i in layers]))
+            self.kv_lengths.append(self.prompt_len + len(self.masses))
+            self._step = {}
+
+    def finish(self) -> "LookbackFeatures":
+        self._flush()
+        return lookback_features(self.masses, self.prompt_len, self.chunk_spans)
+
+
+@dataclass(frozen=True)
+class LookbackFeatures:
+    """Ratios averaged over the answer's decode steps. full, chunks: float32 (layers, heads); per_chunk:
+    (n_chunks, layers, heads); NaN where undefined (no steps, or no chunk tokens)."""
+
+    steps: int
+    full: np.ndarray
+    chunks: np.ndarray
+    per_chunk: np.ndarray
+    prompt_len: int
+    chunk_spans: tuple[tuple[int, int], ...]
+
+    def vector(self, kind: str = "chunks") -> np.ndarray:
+        if kind not in ("full", "chunks"):
+            raise ValueError(f"kind must be 'full' or 'chunks'; got {kind!r}")
+        return getattr(self, kind).ravel()
+
+
+def ratios_from_masses(masses: np.ndarray, prompt_len: int, chunk_spans: list[tuple[int, int]]) -> dict:
+    """Per-step ratios from span masses (steps, layers, heads, 2 + n_chunks) in the [prompt, new, chunks...] order;
+    step t (0-based) has prompt_len + t + 1 cached positions, so |new| = t + 1."""
+    masses = np.asarray(masses, dtype=np.float64)
+    steps = masses.shape[0]
+    new_len = np.arange(1, steps + 1, dtype=np.float64)[:, None, None]
+    a_new = masses[..., 1] / new_len
+    a_prompt = masses[..., 0] / max(prompt_len, 1)
+    lens = np.array([b - a for a, b in chunk_spans], dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        full = a_prompt / (a_prompt + a_new)
+        if len(chunk_spans) and lens.sum() > 0:
+            a_chunks = masses[..., 2:].sum(-1) / lens.sum()
+            chunks = a_chunks / (a_chunks + a_new)
+            a_each = masses[..., 2:] / np.where(lens > 0, lens, np.nan)
+            per_chunk = a_each / (a_each + a_new[..., None])
+        else:
+            chunks = np.full_like(full, np.nan)
+            per_chunk = np.zeros(full.shape + (len(chunk_spans),))
+    return {"full": full, "chunks": chunks, "per_chunk": per_chunk}
+
+
+def lookback_features(masses: list[np.ndarray], prompt_len: int, chunk_spans: list[tuple[int, int]]
+                      ) -> LookbackFeatures:
+    if not masses:
+        nan = np.full((0, 0), np.nan, dtype=np.float32)
+        return LookbackFeatures(steps=0, full=nan, chunks=nan, per_chunk=np.zeros((len(chunk_spans), 0, 0)),
+                                prompt_len=prompt_len, chunk_spans=tuple(chunk_spans))
+    r = ratios_from_masses(np.stack(masses), prompt_len, chunk_spans)
+    with np.errstate(invalid="ignore"):
+        per_chunk = np.moveaxis(r["per_chunk"].mean(0), -1, 0)
+    return LookbackFeatures(steps=len(masses), full=r["full"].mean(0).astype(np.float32),
+                            chunks=r["chunks"].mean(0).astype(np.float32), per_chunk=per_chunk.astype(np.float32),
+                            prompt_len=prompt_len, chunk_spans=tuple(chunk_spans))
+
+
+@contextlib.contextmanager
+def recording(model, prompt_len: int, chunk_spans: list[tuple[int, int]], *, use_kernel: bool = True):
+    """Within the block, model's attention records span masses on every decode step into the yielded Recording
+    (this thread only). The model's attention implementation is restored afterwards."""
+    name = register()
+    previous = model.config._attn_implementation
+    rec = Recording(prompt_len, chunk_spans, model.config.num_hidden_layers, use_kernel=use_kernel)
+    model.set_attn_implementation(name)
+    _state.recording = rec
+    try:
+        yield rec
+    finally:
+        _state.recording = None
+        model.set_attn_implementation(previous)
+
+
+_PASSAGE = re.compile(r"<passage[^>]*>\n(.*?)\n</passage>", re.DOTALL)
+
+
+def passage_token_spans(text: str, offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Token spans [start, end) of the contents of each <passage> element in a rendered prompt, from the tokenizer's
+    character offsets: a token belongs to a passage when it overlaps the passage's characters."""
+    spans = []
+    for m in _PASSAGE.finditer(text):
+        a, b = m.span(1)
+        toks = [i for i, (s, e) in enumerate(offsets) if e > a and s < b]
+        spans.append((toks[0], toks[-1] + 1) if toks else (0, 0))
+    return spans

@@ -1,0 +1,169 @@
+"""Decode attention that also returns the attention mass of each span of the KV cache (lookback ratios).
+
+For one query row per head over a KV cache, with grouped-query heads, one pass over the keys computes both the
+attention output and, for each span [start, end) of positions (system prompt, question, each retrieved chunk, the
+generated tokens), the softmax mass sum_{j in span} a_j. It is the online softmax of FlashAttention / flash-decoding
+with extra accumulators: each program keeps a running maximum m, the running denominator l, the output accumulator
+and one accumulator per span, and rescales all of them by exp(m_old - m_new) when the maximum grows, so no attention
+row or matrix is ever written to memory. Long contexts are split over the KV length (flash-decoding): each split
+writes (m, l, acc, span sums) and a small reduction combines the splits with the same rescaling.
+
+Shapes (B batch, Hq query heads, Hkv key/value heads with Hq % Hkv == 0, L cached positions, D head dim, S spans):
+    q: (B, Hq, D); k, v: (B, Hkv, L, D), any strides; float16, bfloat16 or float32 on a CUDA device.
+    span_starts, span_ends: integer (S,) or (B, S), 0 <= start <= end <= L; an empty span has mass 0.
+    returns out: (B, Hq, D) in q's dtype (accumulated in float32), mass: (B, Hq, S) float32.
+
+lookback_reference computes the same in float32 from explicit softmax weights: the test oracle.
+This module imports triton; `import certrag` never imports it (certrag.lookback loads it lazily for CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lookback_split_kernel(
+    q_ptr, k_ptr, v_ptr, starts_ptr, ends_ptr,
+    m_ptr, l_ptr, acc_ptr, span_ptr,
+    L, S, HQ, GROUP, chunk, scale_log2,
+    sq_b, sq_h, sq_d,
+    sk_b, sk_h, sk_l, sk_d,
+    sv_b, sv_h, sv_l, sv_d,
+    ss_b, ss_s,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    bh = tl.program_id(0)  # b * HQ + h
+    split = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    kvh = h // GROUP
+
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + d * sq_d, mask=d_ok, other=0.0).to(tl.float32)
+
+    s_idx = tl.arange(0, BLOCK_S)
+    s_ok = s_idx < S
+    st = tl.load(starts_ptr + b * ss_b + s_idx * ss_s, mask=s_ok, other=0)
+    en = tl.load(ends_ptr + b * ss_b + s_idx * ss_s, mask=s_ok, other=0)
+
+    m_i = tl.full([], -float("inf"), tl.float32)
+    l_i = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    span_acc = tl.zeros([BLOCK_S], dtype=tl.float32)
+
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, L)
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * sk_l + d[None, :] * sk_d, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1) * scale_log2  # log2-domain scores
+        s = tl.where(n_ok, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        v = tl.load(v_base + n[:, None] * sv_l + d[None, :] * sv_d, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        in_span = (n[None, :] >= st[:, None]) & (n[None, :] < en[:, None])
+        span_acc = span_acc * alpha + tl.sum(tl.where(in_span, p[None, :], 0.0), axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+
+    row = bh * NUM_SPLITS + split
+    tl.store(m_ptr + row, m_i)
+    tl.store(l_ptr + row, l_i)
+    tl.store(acc_ptr + row * BLOCK_D + d, acc)
+    tl.store(span_ptr + row * BLOCK_S + s_idx, span_acc)
+
+
+def _check(q, k, v, span_starts, span_ends):
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape (batch, query_heads, head_dim); got {tuple(q.shape)}")
+    if k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"k and v must both have shape (batch, kv_heads, length, head_dim); got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    B, HQ, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must have shape ({B}, kv_heads, length, {D}); got {tuple(k.shape)}")
+    if HQ % k.shape[1]:
+        raise ValueError(f"query heads ({HQ}) must be a multiple of kv heads ({k.shape[1]})")
+    if k.shape[2] < 1:
+        raise ValueError("the KV cache must hold at least one position")
+    starts = torch.as_tensor(span_starts, device=q.device)
+    ends = torch.as_tensor(span_ends, device=q.device)
+    if starts.shape != ends.shape or starts.dim() not in (1, 2) or (starts.dim() == 2 and starts.shape[0] != B):
+        raise ValueError(f"span_starts and span_ends must both have shape (S,) or ({B}, S); got "
+                         f"{tuple(starts.shape)} and {tuple(ends.shape)}")
+    if starts.numel() and (bool((starts < 0).any()) or bool((ends < starts).any())
+                           or bool((ends > k.shape[2]).any())):
+        raise ValueError(f"spans must satisfy 0 <= start <= end <= {k.shape[2]}")
+    if starts.dim() == 1:
+        starts, ends = starts.expand(B, -1), ends.expand(B, -1)
+    return starts.to(torch.int32), ends.to(torch.int32)
+
+
+def lookback_reference(q, k, v, span_starts, span_ends, scale: float | None = None):
+    """float32 oracle: explicit softmax weights, output = weights @ v, mass = weights summed over each span."""
+    starts, ends = _check(q, k, v, span_starts, span_ends)
+    B, HQ, D = q.shape
+    group = HQ // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    w = torch.softmax(torch.einsum("bhd,bhld->bhl", q.float(), kf) * scale, dim=-1)
+    out = torch.einsum("bhl,bhld->bhd", w, vf)
+    pos = torch.arange(k.shape[2], device=q.device)
+    member = (pos[None, None, :] >= starts[:, :, None]) & (pos[None, None, :] < ends[:, :, None])  # (B, S, L)
+    mass = torch.einsum("bhl,bsl->bhs", w, member.float())
+    return out.to(q.dtype), mass
+
+
+def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = None, *, num_splits: int | None = None,
+                       block_n: int = 64):
+    """The fused kernel (see the module docstring). num_splits: KV-length splits (default: enough programs to fill
+    the GPU, each split at least 4 blocks long)."""
+    starts, ends = _check(q, k, v, span_starts, span_ends)
+    B, HQ, D = q.shape
+    L, S = k.shape[2], starts.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    if num_splits is None:
+        programs = B * HQ
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+        num_splits = max(1, min(triton.cdiv(L, 4 * block_n), triton.cdiv(2 * sms, programs), 128))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1; got {num_splits}")
+    chunk = triton.cdiv(triton.cdiv(L, num_splits), block_n) * block_n
+    block_d = triton.next_power_of_2(D)
+    block_s = triton.next_power_of_2(max(S, 1))
+    dev = q.device
+    m = torch.empty(B * HQ * num_splits, dtype=torch.float32, device=dev)
+    l = torch.empty_like(m)
+    acc = torch.empty(B * HQ * num_splits, block_d, dtype=torch.float32, device=dev)
+    span = torch.empty(B * HQ * num_splits, block_s, dtype=torch.float32, device=dev)
+    starts, ends = starts.contiguous(), ends.contiguous()
+    _lookback_split_kernel[(B * HQ, num_splits)](
+        q, k, v, starts, ends, m, l, acc, span,
+        L, S, HQ, HQ // k.shape[1], chunk, scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
+        starts.stride(0), starts.stride(1),
+        NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s,
+    )
+    # Combine the splits (flash-decoding's reduction): rescale each split by 2^(m_i - M).
+    m = m.view(B, HQ, num_splits)
+    w = torch.exp2(m - m.amax(dim=-1, keepdim=True))  # empty splits have m = -inf -> weight 0
+    denom = (w * l.view(B, HQ, num_splits)).sum(-1)
+    out = (w[..., None] * acc.view(B, HQ, num_splits, block_d)).sum(2)[..., :D] / denom[..., None]
+    mass = (w[..., None] * span.view(B, HQ, num_splits, block_s)).sum(2)[..., :S] / denom[..., None]
+    return out.to(q.dtype), mass

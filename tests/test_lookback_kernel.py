@@ -1,0 +1,127 @@
+"""The lookback-ratio decode-attention kernel against its float32 torch reference.
+
+Without a GPU the Triton kernel runs under TRITON_INTERPRET=1 (set here before triton is imported). The CPU path
+(certrag.lookback.span_masses) is checked against the same reference.
+"""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from certrag.kernels.lookback import lookback_attention, lookback_reference  # noqa: E402
+
+pytestmark = pytest.mark.kernel
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _spans(rng, L, n):
+    """n spans with random bounds, including empty ones and ones touching 0 and L."""
+    starts, ends = [0, L, max(0, L - 1)], [min(L, 3), L, L]
+    while len(starts) < n:
+        a, b = sorted(rng.integers(0, L + 1, size=2))
+        starts.append(int(a))
+        ends.append(int(b))
+    return torch.tensor(starts[:n]), torch.tensor(ends[:n])
+
+
+def _inputs(B, HQ, HKV, L, D, dtype, seed, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HQ, D, generator=g) * 1.5
+    if strided:  # a cache laid out (B, L, Hkv, D) and viewed as (B, Hkv, L, D), as some KV caches are
+        k = torch.randn(B, L, HKV, D, generator=g).transpose(1, 2)
+        v = torch.randn(B, L, HKV, D, generator=g).transpose(1, 2)
+    else:
+        k = torch.randn(B, HKV, L, D, generator=g)
+        v = torch.randn(B, HKV, L, D, generator=g)
+    return [t.to(DEVICE, dtype) for t in (q, k, v)]
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("L", [1, 7, 63, 65, 1000])
+@pytest.mark.parametrize("group", [1, 4])
+def test_kernel_matches_reference_on_awkward_lengths(L, group):
+    rng = np.random.default_rng(L * 10 + group)
+    q, k, v = _inputs(2, 2 * group, 2, L, 48, torch.float32, L)
+    starts, ends = _spans(rng, L, 9)
+    out, mass = lookback_attention(q, k, v, starts, ends)
+    ref_out, ref_mass = lookback_reference(q, k, v, starts, ends)
+    torch.testing.assert_close(out, ref_out, atol=TOL[torch.float32], rtol=1e-4)
+    torch.testing.assert_close(mass, ref_mass.to(mass.device), atol=TOL[torch.float32], rtol=1e-4)
+    assert float(mass[..., 1].abs().max()) == 0.0  # the empty span [L, L)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_gqa_and_kv_splits(group, splits):
+    HKV = 2
+    q, k, v = _inputs(1, HKV * group, HKV, 333, 64, torch.float32, group + splits)
+    starts, ends = _spans(np.random.default_rng(splits), 333, 5)
+    out, mass = lookback_attention(q, k, v, starts, ends, num_splits=splits, block_n=32)
+    ref_out, ref_mass = lookback_reference(q, k, v, starts, ends)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
+    # Spans that tile the whole cache carry all the mass.
+    _, whole = lookback_attention(q, k, v, torch.tensor([0, 100]), torch.tensor([100, 333]), num_splits=splits)
+    torch.testing.assert_close(whole.sum(-1), torch.ones_like(whole.sum(-1)), atol=1e-5, rtol=0)
+
+
+def test_one_span_many_spans_per_batch_and_strided_cache():
+    q, k, v = _inputs(3, 8, 2, 129, 40, torch.float32, 5, strided=True)
+    assert not k.is_contiguous()
+    one = (torch.tensor([10]), torch.tensor([100]))
+    out, mass = lookback_attention(q, k, v, *one)
+    ref_out, ref_mass = lookback_reference(q, k, v, *one)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
+    rng = np.random.default_rng(1)
+    per_batch = [_spans(rng, 129, 40) for _ in range(3)]
+    starts = torch.stack([s for s, _ in per_batch])
+    ends = torch.stack([e for _, e in per_batch])
+    _, mass = lookback_attention(q, k, v, starts, ends, num_splits=4)
+    _, ref_mass = lookback_reference(q, k, v, starts, ends)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    q, k, v = _inputs(1, 4, 1, 200, 32, dtype, 9)
+    starts, ends = _spans(np.random.default_rng(2), 200, 6)
+    out, mass = lookback_attention(q, k, v, starts, ends)
+    ref_out, ref_mass = lookback_reference(q, k, v, starts, ends)
+    assert out.dtype == dtype and mass.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(mass, ref_mass, atol=1e-4, rtol=1e-3)
+
+
+def test_bad_shapes_are_refused_naming_the_argument():
+    q, k, v = _inputs(1, 4, 2, 10, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="q must"):
+        lookback_attention(q[0], k, v, [0], [1])
+    with pytest.raises(ValueError, match="multiple"):
+        lookback_attention(q[:, :3], k, v, [0], [1])
+    with pytest.raises(ValueError, match="k and v"):
+        lookback_attention(q, k, v[:, :, :5], [0], [1])
+    with pytest.raises(ValueError, match="0 <= start <= end <= 10"):
+        lookback_attention(q, k, v, [3], [11])
+    with pytest.raises(ValueError, match="span_starts and span_ends"):
+        lookback_attention(q, k, v, [0, 1], [1])
+
+
+def test_cpu_path_matches_reference():
+    from certrag.lookback import span_masses
+
+    for L, group in ((1, 1), (7, 4), (65, 7), (1000, 4)):
+        q, k, v = [t.cpu() for t in _inputs(2, 2 * group, 2, L, 64, torch.float32, L)]
+        starts, ends = _spans(np.random.default_rng(L), L, 7)
+        got = span_masses(q, k, starts, ends, scale=1 / math.sqrt(64))
+        _, ref = lookback_reference(q, k, v, starts, ends)
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
