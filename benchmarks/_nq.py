@@ -35,3 +35,38 @@ def cached_embedder():
     from certrag.segment.train import cache_dir
 
     return Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+
+
+def cached_retrievals(engine, reranker, questions: list[str], candidates: int, name: str) -> list:
+    """engine.retrieve for every question keeping all `candidates` (reranked), saved under benchmarks/data/<name>
+    and reused while the questions, candidate count, reranker and store size are unchanged."""
+    import json
+    import sys
+    import time
+
+    import numpy as np
+
+    from certrag.engine import Retrieval
+    from certrag.select import TopKSelector
+
+    saved = _common.DATA_DIR / name
+    key = {"questions": list(questions), "candidates": candidates, "reranker": reranker.card.get("seconds"),
+           "chunks": len(engine)}
+    if saved.exists():
+        blob = json.loads(saved.read_text())
+        if blob["key"] == key:
+            return [Retrieval(question=r["q"], chunk_ids=np.array(r["ids"], dtype=np.int64), doc_ids=tuple(r["docs"]),
+                              texts=tuple(engine.chunk(c)["text"] for c in r["ids"]),
+                              dense_scores=np.array(r["dense"], dtype=np.float32),
+                              rerank_scores=np.array(r["rerank"], dtype=np.float32), selected=len(r["ids"]))
+                    for r in blob["results"]]
+    t0 = time.perf_counter()
+    results = engine.retrieve(list(questions), candidates=candidates, selector=TopKSelector(k=candidates))
+    print(f"retrieved {len(questions)} questions in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = saved.with_name(saved.name + ".tmp")
+    tmp.write_text(json.dumps({"key": key, "results": [
+        {"q": r.question, "ids": r.chunk_ids.tolist(), "docs": list(r.doc_ids), "dense": r.dense_scores.tolist(),
+         "rerank": r.rerank_scores.tolist()} for r in results]}))
+    tmp.replace(saved)
+    return results

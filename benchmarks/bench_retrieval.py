@@ -31,8 +31,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--latency-queries", type=int, default=200)
     p.add_argument("--throughput-docs", type=int, default=600, help="documents indexed uncached for throughput")
-    p.add_argument("--reuse-candidates", action="store_true",
-                   help="reuse the reranked candidates saved by the last run (same store and reranker)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     _common.pin_threads(args.threads)
@@ -46,7 +44,7 @@ def main() -> None:
     from certrag.rerank import CrossEncoderReranker
     from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector, positive_scores
 
-    from _nq import cached_embedder, nq_store
+    from _nq import cached_embedder, cached_retrievals, nq_store
 
     reranker = CrossEncoderReranker.default()
     engine, corpus = nq_store(cached_embedder(), reranker)
@@ -57,30 +55,8 @@ def main() -> None:
     golds = [gold_doc[it.gold_text] for it in items]
     tokens = {int(c["id"]): c["n_tokens"] for c in engine._data.chunks}
 
-    import json as _json
-
-    from certrag.engine import Retrieval
-
-    saved = _common.DATA_DIR / "retrieval_candidates.json"
-    key = {"questions": [it.question for it in items], "candidates": args.candidates,
-           "reranker": reranker.card.get("seconds"), "chunks": len(engine)}
-    results = None
-    if args.reuse_candidates and saved.exists():
-        blob = _json.loads(saved.read_text())
-        if blob["key"] == key:
-            results = [Retrieval(question=r["q"], chunk_ids=np.array(r["ids"], dtype=np.int64),
-                                 doc_ids=tuple(r["docs"]), texts=tuple(engine.chunk(c)["text"] for c in r["ids"]),
-                                 dense_scores=np.array(r["dense"], dtype=np.float32),
-                                 rerank_scores=np.array(r["rerank"], dtype=np.float32), selected=len(r["ids"]))
-                       for r in blob["results"]]
-    if results is None:
-        t0 = time.perf_counter()
-        results = engine.retrieve([it.question for it in items], candidates=args.candidates,
-                                  selector=TopKSelector(k=args.candidates))
-        print(f"retrieved {len(items)} questions in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        saved.write_text(_json.dumps({"key": key, "results": [
-            {"q": r.question, "ids": r.chunk_ids.tolist(), "docs": list(r.doc_ids), "dense": r.dense_scores.tolist(),
-             "rerank": r.rerank_scores.tolist()} for r in results]}))
+    results = cached_retrievals(engine, reranker, [it.question for it in items], args.candidates,
+                                "retrieval_candidates.json")
 
     def rank_of(doc_ids, gold):
         return doc_ids.index(gold) + 1 if gold in doc_ids else None

@@ -178,7 +178,7 @@ def ratios_from_masses(masses: np.ndarray, prompt_len: int, chunk_spans: list[tu
             per_chunk = a_each / (a_each + a_new[..., None])
         else:
             chunks = np.full_like(full, np.nan)
-            per_chunk = np.zeros(full.shape + (len(chunk_spans),))
+            per_chunk = np.full(full.shape + (len(chunk_spans),), np.nan)
     return {"full": full, "chunks": chunks, "per_chunk": per_chunk}
 
 

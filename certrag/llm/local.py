@@ -23,6 +23,7 @@ class Generation:
     output_tokens: int
     seconds: float
     finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
+    lookback: object = None  # certrag.lookback.LookbackFeatures when the LLM records lookback ratios
 
 
 class LocalLLM:
@@ -52,6 +53,7 @@ class LocalLLM:
         self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
                                                           dtype=getattr(torch, dtype)).eval()
         self.num_threads = num_threads
+        self.record_lookback = False  # set True: every generate() records lookback ratios over its <passage>s
         self._lock = threading.Lock()
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
@@ -75,8 +77,10 @@ class LocalLLM:
             raise ValueError(f"temperature must be >= 0; got {temperature}")
         torch = self._torch
         ids = self.prompt_ids(messages)
+        spans = self._passage_spans(messages, ids) if self.record_lookback else None
         started = time.perf_counter()
-        with self._lock, torch.inference_mode():
+        rec = None
+        with self._lock, torch.inference_mode(), self._recording(len(ids), spans) as rec:
             previous = torch.get_num_threads()
             torch.set_num_threads(self.num_threads)
             try:
@@ -97,4 +101,24 @@ class LocalLLM:
         finish = "stop" if new and new[-1] in eos else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(text=text.strip(), input_tokens=len(ids), output_tokens=len(new),
-                          seconds=time.perf_counter() - started, finish_reason=finish)
+                          seconds=time.perf_counter() - started, finish_reason=finish,
+                          lookback=rec.finish() if rec is not None else None)
+
+    def _recording(self, prompt_len: int, spans):
+        import contextlib
+
+        if spans is None:
+            return contextlib.nullcontext()
+        from certrag.lookback import recording
+
+        return recording(self.model, prompt_len, spans)
+
+    def _passage_spans(self, messages: list[dict], ids: list[int]) -> list[tuple[int, int]]:
+        """Token spans of the <passage> contents in the prompt (see certrag.lookback.passage_token_spans)."""
+        from certrag.lookback import passage_token_spans
+
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if list(enc["input_ids"]) != ids:
+            raise RuntimeError("the chat template's tokens differ from the rendered prompt's: cannot place passages")
+        return passage_token_spans(text, [tuple(o) for o in enc["offset_mapping"]])

@@ -1,0 +1,127 @@
+"""Recording lookback ratios during generation: same tokens as plain generation, and the same ratios as
+output_attentions gives (the Lookback Lens way) on the same tiny model and prompt."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from certrag.lookback import (LookbackFeatures, lookback_features, passage_token_spans, ratios_from_masses,  # noqa: E402
+                              recording)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    model = Qwen2ForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _generate(model, ids, n, **kw):
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              min_new_tokens=n, pad_token_id=0, **kw)
+
+
+def test_recording_keeps_tokens_and_matches_output_attentions(tiny):
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, 97, (1, 41), generator=g)
+    P, chunks, n = 41, [(5, 12), (12, 30), (33, 33)], 9
+    plain = _generate(tiny, prompt, n)
+    with recording(tiny, P, chunks) as rec:
+        recorded = _generate(tiny, prompt, n)
+    assert torch.equal(plain, recorded)
+    assert tiny.config._attn_implementation == "sdpa"  # restored
+    features = rec.finish()
+    assert features.steps == n - 1 and len(rec.masses) == n - 1
+    masses = np.stack(rec.masses)  # (steps, layers, heads, 2 + chunks)
+    assert masses.shape == (n - 1, 3, 8, 5)
+
+    # The oracle: eager attention with output_attentions, one full weight row per decode step.
+    tiny.set_attn_implementation("eager")
+    try:
+        out = _generate(tiny, prompt, n, output_attentions=True, return_dict_in_generate=True)
+    finally:
+        tiny.set_attn_implementation("sdpa")
+    assert torch.equal(out.sequences, plain)
+    oracle = []
+    for step in range(1, n):  # step 0 is the prefill
+        per_layer = []
+        for att in out.attentions[step]:
+            w = att[0, :, -1, :].double().numpy()  # (heads, L)
+            L = w.shape[-1]
+            spans = [(0, P), (P, L)] + chunks
+            per_layer.append(np.stack([w[:, a:b].sum(-1) for a, b in spans], -1))
+        oracle.append(np.stack(per_layer))
+    oracle = np.stack(oracle)
+    np.testing.assert_allclose(masses, oracle, atol=1e-5, rtol=1e-4)
+    mine, theirs = ratios_from_masses(masses, P, chunks), ratios_from_masses(oracle, P, chunks)
+    for key in ("full", "chunks"):
+        np.testing.assert_allclose(mine[key], theirs[key], atol=1e-5)
+    # Lookback Lens' full-context ratio straight from the weights, for the first layer and decode step.
+    w = out.attentions[1][0][0, :, -1, :].double().numpy()
+    direct = w[:, :P].mean(-1) / (w[:, :P].mean(-1) + w[:, P:].mean(-1))
+    np.testing.assert_allclose(mine["full"][0, 0], direct, atol=1e-5)
+
+
+def test_ratios_hand_computed():
+    # One step, one layer, one head; prompt of 10 with chunks (2, 4) and (4, 8); the step has 1 new token.
+    # masses: prompt 0.6, new 0.4, chunk1 0.2 (2 tokens), chunk2 0.3 (4 tokens).
+    m = np.array([[[[0.6, 0.4, 0.2, 0.3]]]])
+    r = ratios_from_masses(m, 10, [(2, 4), (4, 8)])
+    a_new = 0.4 / 1
+    assert r["full"][0, 0, 0] == pytest.approx(0.06 / (0.06 + a_new))
+    assert r["chunks"][0, 0, 0] == pytest.approx((0.5 / 6) / (0.5 / 6 + a_new))
+    np.testing.assert_allclose(r["per_chunk"][0, 0, 0], [0.1 / (0.1 + a_new), 0.075 / (0.075 + a_new)])
+    # Two steps: |new| grows to 2; features average over steps.
+    m2 = np.concatenate([m, np.array([[[[0.5, 0.5, 0.1, 0.1]]]])])
+    f = lookback_features(list(m2), 10, [(2, 4), (4, 8)])
+    second = 0.05 / (0.05 + 0.25)
+    assert f.full[0, 0] == pytest.approx((0.06 / 0.46 + second) / 2)
+    # An empty chunk has no ratio; no chunks at all gives NaN chunk features.
+    r = ratios_from_masses(np.array([[[[0.6, 0.4, 0.0]]]]), 10, [(3, 3)])
+    assert np.isnan(r["per_chunk"]).all() and np.isnan(r["chunks"]).all()
+    assert np.isnan(ratios_from_masses(m[..., :2], 10, [])["chunks"]).all()
+    assert lookback_features([], 10, []).steps == 0
+
+
+def test_spans_outside_the_prompt_are_refused(tiny):
+    with pytest.raises(ValueError, match="inside the prompt"):
+        with recording(tiny, 10, [(5, 11)]):
+            pass
+    assert tiny.config._attn_implementation == "sdpa"
+
+
+def test_passage_spans_from_offsets():
+    text = 'sys <passage id="1">\nalpha beta\n</passage>\n<passage id="2">\ngamma\n</passage> q'
+    words = [(m.start(), m.end()) for m in __import__("re").finditer(r"\S+", text)]
+    spans = passage_token_spans(text, words)
+    toks = [text[a:b] for a, b in words]
+    assert [" ".join(toks[a:b]) for a, b in spans] == ["alpha beta", "gamma"]
+
+
+def test_recorded_answer_with_the_real_small_model(smollm):
+    from certrag.llm.prompts import Passage, plain_messages
+
+    passages = [Passage("The Eiffel Tower is in Paris, France."), Passage("Bananas are rich in potassium.")]
+    messages = plain_messages("Where is the Eiffel Tower?", passages)
+    plain = smollm.generate(messages, max_new_tokens=12)
+    smollm.record_lookback = True
+    try:
+        rec = smollm.generate(messages, max_new_tokens=12)
+    finally:
+        smollm.record_lookback = False
+    assert rec.text == plain.text and rec.output_tokens == plain.output_tokens
+    f = rec.lookback
+    assert isinstance(f, LookbackFeatures) and f.steps == rec.output_tokens - 1
+    cfg = smollm.model.config
+    assert f.chunks.shape == (cfg.num_hidden_layers, cfg.num_attention_heads)
+    assert len(f.chunk_spans) == 2 and np.all((f.chunks > 0) & (f.chunks < 1))
+    ids = smollm.prompt_ids(messages)
+    for (a, b), p in zip(f.chunk_spans, passages):
+        assert smollm.tokenizer.decode(ids[a:b]).strip() == p.text
