@@ -234,8 +234,8 @@ def search(store: Path, question: str, candidates: int | None, selector: str | N
 @main.command()
 @click.argument("store", type=click.Path(path_type=Path))
 @click.argument("question")
-@click.option("--strategy", type=click.Choice(["plain", "chain_of_note", "feedback", "feedback:chain_of_note"]),
-              default="plain", show_default=True)
+@click.option("--strategy", default="plain", show_default=True,
+              type=click.Choice(["plain", "chain_of_note", "self_rag", "feedback", "feedback:chain_of_note"]))
 @click.option("--model", default=None, help="A bundled model name or a transformers folder (default: the bundled "
                                             "Qwen2.5-Coder-0.5B-Instruct).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer, notes, tokens, cost and trace as JSON.")
@@ -345,7 +345,7 @@ def serve(store: Path | None, host: str, port: int, model: str | None, max_body_
 @click.option("--split", type=click.Choice(["train", "calibration", "test"]), default="test", show_default=True)
 @click.option("--limit", default=200, show_default=True, help="Questions from the split (file order).")
 @click.option("--strategy", "strategies", multiple=True, default=["plain"], show_default=True,
-              type=click.Choice(["plain", "chain_of_note", "feedback", "feedback:chain_of_note"]))
+              type=click.Choice(["plain", "chain_of_note", "self_rag", "feedback", "feedback:chain_of_note"]))
 @click.option("--noise", "noise", multiple=True, type=float,
               help="Chain-of-Note noise ratio(s); without it the engine's own retrieval supplies the passages.")
 @click.option("--k", default=5, show_default=True, help="Passages per question under the noise protocol.")
@@ -400,6 +400,28 @@ def train_segmenter_cmd(out: Path, sources: str, max_pairs: int, epochs: int, hi
     held = head.card["held_out"]
     click.echo(f"saved {out}: held-out loss {held['loss']:.4f}, accuracy {held['accuracy']:.3f}, "
                f"break F1 {held['break_f1']:.3f} on {held['n']} pairs")
+
+
+@main.command("train-factuality")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True,
+              help="The local model whose attention the classifier reads.")
+@click.option("--questions", default=400, show_default=True, help="NQ-open train questions to answer.")
+@click.option("--k", default=3, show_default=True, help="Passages per question.")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Classifier JSON (default: the package's certrag/factuality/<model>.json).")
+@click.option("--examples", type=click.Path(path_type=Path), default=None,
+              help="Keep (and reuse) the generated answers and features here (safetensors; default in CERTRAG_HOME).")
+def train_factuality_cmd(model: str, questions: int, k: int, out: Path | None, examples: Path | None) -> None:
+    """Train the factuality classifier on lookback ratios of answers to NQ-open train questions."""
+    from certrag.factuality import PACKAGE_DIR, train_factuality
+    from certrag.segment.train import cache_dir
+
+    out = out or PACKAGE_DIR / f"{model}.json"
+    examples = examples or cache_dir() / f"factuality-train-{model}-{questions}-k{k}.safetensors"
+    clf = train_factuality(model, out, questions=questions, k=k, examples=examples)
+    c = clf.card
+    click.echo(f"wrote {out}: {c['examples']} answers ({c['positives']} supported), C = {c['C']}, "
+               f"cross-validated AUROC {c['cv_auroc']:.3f}")
 
 
 @main.command("train-reranker")

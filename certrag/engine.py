@@ -426,7 +426,8 @@ class Engine:
             feedback, _, base_name = strategy.partition(":")
             base_name = base_name or "plain"
         if base_name not in STRATEGIES:
-            raise ValueError(f"strategy must be plain, chain_of_note, feedback or feedback:<base>; got {strategy!r}")
+            raise ValueError(f"strategy must be plain, chain_of_note, self_rag, feedback or feedback:<base>; got "
+                             f"{strategy!r}")
         base = STRATEGIES[base_name]() if max_new_tokens is None else STRATEGIES[base_name](max_new_tokens=max_new_tokens)
         t0 = time.perf_counter()
         r = self.retrieve(question)
@@ -465,7 +466,9 @@ class Engine:
         t2 = time.perf_counter()
         used = result.passages_used
         cited = tuple(int(r.chunk_ids[i]) for i in range(used))
-        if result.notes and not result.malformed:
+        if result.cited is not None:
+            cited = tuple(int(r.chunk_ids[i]) for i in result.cited if 0 <= i < used)
+        elif result.notes and not result.malformed:
             useful = {n.passage for n in result.notes if n.kind in ("answers", "context")}
             cited = tuple(int(r.chunk_ids[i - 1]) for i in sorted(useful) if 1 <= i <= used)
         model = getattr(llm, "name", "llm")

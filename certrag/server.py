@@ -25,7 +25,7 @@ class ChatRequest(BaseModel):
 
 class AnswerRequest(BaseModel):
     question: str = Field(min_length=1, max_length=4000)
-    strategy: Literal["plain", "chain_of_note", "feedback", "feedback:chain_of_note"] = "plain"
+    strategy: Literal["plain", "chain_of_note", "self_rag", "feedback", "feedback:chain_of_note"] = "plain"
     qtype: Literal["open", "multiple_choice", "yes_no"] = "open"
     options: list[str] | None = None
 

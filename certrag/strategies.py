@@ -34,6 +34,7 @@ class StrategyResult:
     rounds: int = 1
     passages_used: int = 0
     history: tuple[dict, ...] = ()
+    cited: tuple[int, ...] | None = None  # 0-based passage indices the answer rests on, when the strategy knows
 
     @property
     def input_tokens(self) -> int:
@@ -187,4 +188,12 @@ class Feedback:
                               history=tuple(history))
 
 
-STRATEGIES = {"plain": Plain, "chain_of_note": ChainOfNote}
+def _self_rag(max_new_tokens: int | None = None, **kwargs):
+    from certrag.selfrag import SelfRag
+
+    if max_new_tokens is not None:
+        kwargs["segment_tokens"] = max_new_tokens
+    return SelfRag(**kwargs)
+
+
+STRATEGIES = {"plain": Plain, "chain_of_note": ChainOfNote, "self_rag": _self_rag}

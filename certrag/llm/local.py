@@ -24,6 +24,8 @@ class Generation:
     seconds: float
     finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
     lookback: object = None  # certrag.lookback.LookbackFeatures when the LLM records lookback ratios
+    mean_logprob: float = float("nan")  # mean log-probability of the generated tokens (under the sampling
+    # distribution's logits after processing: the model's own for greedy decoding)
 
 
 class LocalLLM:
@@ -69,8 +71,42 @@ class LocalLLM:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def next_token_probs(self, prompts: list[list[int]], token_ids: list[int], *, batch_size: int = 16):
+        """For each prompt (token ids), the probabilities of token_ids as the next token: float64 (n, len(token_ids)),
+        read from the full softmax over the vocabulary of one forward pass (prompts left-padded and batched, with
+        position ids that ignore the padding)."""
+        import numpy as np
+
+        torch = self._torch
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"token_ids must lie in [0, {vocab})")
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        out = np.zeros((len(prompts), len(token_ids)))
+        wanted = torch.tensor(list(token_ids), dtype=torch.long)
+        with self._lock, torch.inference_mode():
+            previous = torch.get_num_threads()
+            torch.set_num_threads(self.num_threads)
+            try:
+                for start in range(0, len(prompts), batch_size):
+                    batch = prompts[start:start + batch_size]
+                    width = max(len(p) for p in batch)
+                    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch])
+                    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+                    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                    logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                        logits_to_keep=1).logits[:, -1, :].float()
+                    logp = torch.log_softmax(logits, dim=-1)
+                    out[start:start + len(batch)] = logp[:, wanted].exp().double().numpy()
+            finally:
+                torch.set_num_threads(previous)
+        return out
+
     def generate(self, messages: list[dict], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                 seed: int | None = None) -> Generation:
+                 seed: int | None = None, prefix: str = "") -> Generation:
+        """prefix: text the assistant has already written (its tokens count as input); the result continues it."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         if temperature < 0:
@@ -78,6 +114,8 @@ class LocalLLM:
         torch = self._torch
         ids = self.prompt_ids(messages)
         spans = self._passage_spans(messages, ids) if self.record_lookback else None
+        if prefix:
+            ids = ids + self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
         started = time.perf_counter()
         rec = None
         with self._lock, torch.inference_mode(), self._recording(len(ids), spans) as rec:
@@ -92,17 +130,19 @@ class LocalLLM:
                 else:
                     kwargs.update(temperature=None, top_p=None, top_k=None)
                 out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                          **kwargs)
+                                          output_scores=True, return_dict_in_generate=True, **kwargs)
             finally:
                 torch.set_num_threads(previous)
-        new = out[0, len(ids):].tolist()
+        new = out.sequences[0, len(ids):].tolist()
+        logprob = float(torch.stack([torch.log_softmax(s[0].float(), -1)[t] for s, t in zip(out.scores, new)]).mean()
+                        ) if new else float("nan")
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         finish = "stop" if new and new[-1] in eos else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(text=text.strip(), input_tokens=len(ids), output_tokens=len(new),
                           seconds=time.perf_counter() - started, finish_reason=finish,
-                          lookback=rec.finish() if rec is not None else None)
+                          lookback=rec.finish() if rec is not None else None, mean_logprob=logprob)
 
     def _recording(self, prompt_len: int, spans):
         import contextlib

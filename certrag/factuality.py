@@ -1,0 +1,263 @@
+"""Factual confidence of an answer from its lookback ratios: a logistic regression on the chunk-wise features.
+
+Features: the chunk-wise lookback ratio of every (layer, head), averaged over the answer's decode steps
+(certrag.lookback). Classifier: standardisation and L2-regularised logistic regression (scikit-learn at training
+time; numpy at prediction time), saved as JSON with its card: no pickle.
+
+Training data (`certrag train-factuality`): answers that a local model generates to NQ-open *train* questions
+(certrag.eval.nq), each from k passages of which the gold passage is one for half the questions (chosen by a stable
+hash) and the others are the gold passages of other NQ questions most similar to the question (MiniLM): hard
+distractors. Label rule: 1 when a gold answer, DPR-normalised, occurs in the normalised answer ("gold string
+contained"; certrag.eval.metrics.answer_in_text), else 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+PACKAGE_DIR = Path(__file__).resolve().parent / "factuality"
+LABEL_RULE = "gold answer contained in the normalised prediction (DPR normalisation)"
+
+
+@dataclass(frozen=True)
+class FactualityClassifier:
+    model: str  # the LLM whose attention the features come from
+    kind: str  # "chunks" or "full"
+    layers: int
+    heads: int
+    mean: np.ndarray
+    scale: np.ndarray
+    coef: np.ndarray
+    intercept: float
+    card: dict
+
+    def predict(self, features) -> float:
+        """P(answer supported) from a LookbackFeatures; NaN when the answer has no decode steps or no chunks."""
+        x = np.asarray(features.vector(self.kind), dtype=np.float64)
+        if x.shape != self.mean.shape:
+            raise ValueError(f"features have {x.size} values; the classifier expects {self.layers} layers x "
+                             f"{self.heads} heads ({self.mean.size})")
+        if not np.isfinite(x).all():
+            return float("nan")
+        return self.predict_vectors(x[None, :])[0]
+
+    def predict_vectors(self, x: np.ndarray) -> np.ndarray:
+        z = ((np.asarray(x, dtype=np.float64) - self.mean) / self.scale) @ self.coef + self.intercept
+        return 1.0 / (1.0 + np.exp(-z))
+
+    def to_dict(self) -> dict:
+        return {"format": "certrag-factuality", "version": 1, "model": self.model, "kind": self.kind,
+                "layers": self.layers, "heads": self.heads, "mean": self.mean.tolist(), "scale": self.scale.tolist(),
+                "coef": self.coef.tolist(), "intercept": self.intercept, "card": self.card}
+
+    def save(self, path: str | Path) -> None:
+        from certrag.store import write_file_atomic
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, (json.dumps(self.to_dict(), indent=1) + "\n").encode())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FactualityClassifier":
+        try:
+            d = json.loads(Path(path).read_text())
+            if d.get("format") != "certrag-factuality":
+                raise ValueError("not a certrag factuality classifier")
+            return cls(model=d["model"], kind=d["kind"], layers=int(d["layers"]), heads=int(d["heads"]),
+                       mean=np.array(d["mean"]), scale=np.array(d["scale"]), coef=np.array(d["coef"]),
+                       intercept=float(d["intercept"]), card=d.get("card", {}))
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: cannot load the factuality classifier ({exc})") from None
+
+    @classmethod
+    def for_model(cls, model: str) -> "FactualityClassifier":
+        """The classifier shipped in the package for a bundled model."""
+        path = PACKAGE_DIR / f"{model}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no factuality classifier ships for {model!r}; train one with "
+                                    f"`certrag train-factuality --model {model}`")
+        return cls.load(path)
+
+
+def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, heads: int, card: dict,
+        cs=(0.001, 0.01, 0.1, 1.0), folds: int = 5, seed: int = 0) -> tuple[FactualityClassifier, dict]:
+    """Standardise, choose C by stratified cross-validated AUROC on (x, y), refit on all. Returns the classifier and
+    the cross-validation report."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+    from sklearn.model_selection import StratifiedKFold
+
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.int64)
+    if len(np.unique(y)) < 2:
+        raise ValueError("the training labels are all the same: need both supported and unsupported answers")
+    mean, scale = x.mean(0), x.std(0)
+    scale[scale == 0] = 1.0
+    z = (x - mean) / scale
+    report = {}
+    for c in cs:
+        pred = np.zeros(len(y))
+        for tr, te in StratifiedKFold(folds, shuffle=True, random_state=seed).split(z, y):
+            lr = LogisticRegression(C=c, max_iter=2000).fit(z[tr], y[tr])
+            pred[te] = lr.decision_function(z[te])
+        report[c] = float(roc_auc_score(y, pred))
+    best = max(report, key=report.get)
+    lr = LogisticRegression(C=best, max_iter=2000).fit(z, y)
+    clf = FactualityClassifier(model=model, kind=kind, layers=layers, heads=heads, mean=mean, scale=scale,
+                               coef=lr.coef_[0].astype(np.float64), intercept=float(lr.intercept_[0]),
+                               card={**card, "C": best, "cv_auroc": report[best], "cv_folds": folds,
+                                     "cv_by_C": {str(k): v for k, v in report.items()}})
+    return clf, report
+
+
+# ---------------------------------------------------------------------------------------- training examples
+
+def _stable(key: str) -> float:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
+
+
+def nq_passage_sets(items, k: int = 3, seed: int = 0) -> list[tuple[list[str], bool]]:
+    """For each NQ-open item: k passages (gold included for half of the items, by a stable hash) and whether the
+    gold is among them. Distractors: the other NQ gold passages nearest the question under MiniLM."""
+    from certrag.embed import Embedder, EmbeddingCache
+    from certrag.eval.nq import load_nq_open
+    from certrag.segment.train import cache_dir
+
+    pool = sorted({it.gold_text for it in load_nq_open()})
+    embedder = Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    pv = embedder.embed(pool)
+    qv = embedder.embed([it.question for it in items])
+    out = []
+    for it, q in zip(items, qv):
+        with_gold = _stable(f"{seed}:gold:{it.question}") < 0.5
+        order = np.argsort(-(pv @ q))
+        distractors = [pool[i] for i in order if pool[i] != it.gold_text][: k - 1 if with_gold else k]
+        passages = distractors + ([it.gold_text] if with_gold else [])
+        rng = np.random.default_rng(int(_stable(f"{seed}:order:{it.question}") * 2**32))
+        rng.shuffle(passages)
+        out.append((passages, with_gold))
+    return out
+
+
+def collect(llm, items, *, k: int = 3, max_new_tokens: int = 24, reranker=None, progress: bool = True) -> dict:
+    """Generates an answer per item with lookback recording; returns arrays: chunks, full (n, layers*heads),
+    mean_logprob, top_rerank (n,), label, with_gold (n,), and the predictions."""
+    from tqdm.auto import tqdm
+
+    from certrag.eval.metrics import answer_in_text
+    from certrag.llm.prompts import Passage, plain_messages
+
+    sets = nq_passage_sets(items, k=k)
+    rows = {"chunks": [], "full": [], "mean_logprob": [], "top_rerank": [], "label": [], "with_gold": [],
+            "steps": []}
+    predictions = []
+    previous, llm.record_lookback = llm.record_lookback, True
+    started = time.perf_counter()
+    try:
+        for it, (passages, with_gold) in tqdm(list(zip(items, sets)), desc="answering", disable=not progress):
+            g = llm.generate(plain_messages(it.question, [Passage(p) for p in passages]),
+                             max_new_tokens=max_new_tokens)
+            f = g.lookback
+            rows["chunks"].append(f.vector("chunks"))
+            rows["full"].append(f.vector("full"))
+            rows["mean_logprob"].append(g.mean_logprob)
+            rows["steps"].append(f.steps)
+            rows["label"].append(int(answer_in_text(g.text, it.answers)))
+            rows["with_gold"].append(int(with_gold))
+            if reranker is not None:
+                rows["top_rerank"].append(float(reranker.cross_scores([it.question] * len(passages), passages).max()))
+            else:
+                rows["top_rerank"].append(float("nan"))
+            predictions.append(g.text)
+    finally:
+        llm.record_lookback = previous
+    out = {key: np.asarray(v, dtype=np.float32 if key in ("chunks", "full", "mean_logprob", "top_rerank")
+                            else np.int64) for key, v in rows.items()}
+    out["seconds"] = time.perf_counter() - started
+    out["predictions"] = predictions
+    return out
+
+
+def save_examples(path: str | Path, data: dict, meta: dict) -> None:
+    """Arrays in safetensors, predictions and meta in the header's metadata (strings)."""
+    from safetensors.numpy import save
+
+    from certrag.store import write_file_atomic
+
+    arrays = {k: np.ascontiguousarray(v) for k, v in data.items() if isinstance(v, np.ndarray)}
+    metadata = {"meta": json.dumps(meta), "predictions": json.dumps(data["predictions"])}
+    write_file_atomic(Path(path), save(arrays, metadata=metadata))
+
+
+def load_examples(path: str | Path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="numpy") as f:
+        for key in f.keys():
+            out[key] = f.get_tensor(key)
+        md = f.metadata() or {}
+    out["predictions"] = json.loads(md.get("predictions", "[]"))
+    return out, json.loads(md.get("meta", "{}"))
+
+
+def train_factuality(model: str, out: str | Path, *, questions: int = 400, k: int = 3, kind: str = "chunks",
+                     examples: str | Path | None = None, progress: bool = True) -> FactualityClassifier:
+    """Collects (or reuses, from `examples`) NQ-open train answers of `model` and fits the classifier."""
+    from certrag.eval.nq import load_nq_open
+    from certrag.llm import LocalLLM
+
+    items = load_nq_open(split="train")[:questions]
+    meta = {"model": model, "split": "train", "questions": len(items), "k": k,
+            "question_hash": hashlib.sha256("\n".join(it.question for it in items).encode()).hexdigest()[:16]}
+    data = None
+    if examples is not None and Path(examples).exists():
+        data, got = load_examples(examples)
+        if got != meta:
+            log.info("examples at %s were made with other settings; collecting again", examples)
+            data = None
+    llm = None
+    if data is None:
+        from certrag.rerank import CrossEncoderReranker
+
+        llm = LocalLLM(model)
+        data = collect(llm, items, k=k, reranker=CrossEncoderReranker.default(), progress=progress)
+        if examples is not None:
+            save_examples(examples, data, meta)
+    if llm is None:
+        from transformers import AutoConfig
+
+        from certrag.llm.models import BUNDLED_MODELS, converted_model_dir
+
+        path = converted_model_dir(model) if model in BUNDLED_MODELS else Path(model)
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    else:
+        cfg = llm.model.config
+    keep = np.isfinite(data[kind]).all(1)
+    card = {"data": f"NQ-open train split, first {len(items)} questions; {k} passages each (gold for half, "
+                    "MiniLM-nearest other NQ gold passages as distractors)",
+            "label_rule": LABEL_RULE, "positives": int(data["label"][keep].sum()), "examples": int(keep.sum()),
+            "features": f"{kind} lookback ratios, one per (layer, head), averaged over decode steps",
+            "remake": f"certrag train-factuality --model {model} --questions {questions}",
+            "made": time.strftime("%Y-%m-%d", time.gmtime())}
+    clf, _ = fit(data[kind][keep], data["label"][keep], model=model, kind=kind, layers=cfg.num_hidden_layers,
+                 heads=cfg.num_attention_heads, card=card)
+    clf.save(out)
+    return clf
+
+
+def auroc(y: np.ndarray, score: np.ndarray) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    keep = np.isfinite(score)
+    y, score = np.asarray(y)[keep], np.asarray(score)[keep]
+    return float(roc_auc_score(y, score)) if len(np.unique(y)) == 2 else math.nan

@@ -1,0 +1,201 @@
+"""Self-RAG: the reflection scores against the paper's formulas, adaptive retrieval at its threshold, beam search
+against brute force, rankings that negative terms cannot invert, and label probabilities against a direct softmax."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from certrag.selfrag import (Path, Segment, Weights, aggregate_options, beam_search, path_score, retrieve_probability,
+                             s_isrel, s_issup, s_isuse, segment_score, should_retrieve)
+
+
+def test_scores_hand_computed():
+    probs = {"isrel": {"relevant": 0.3, "irrelevant": 0.1},
+             "issup": {"fully": 0.2, "partially": 0.4, "no": 0.2},
+             "isuse": {"1": 0.1, "2": 0.0, "3": 0.2, "4": 0.3, "5": 0.4}}
+    assert s_isrel(probs) == pytest.approx(0.75)
+    assert s_issup(probs) == pytest.approx((0.2 + 0.2) / 0.8)
+    assert s_isuse(probs) == pytest.approx((-0.1 + 0 + 0 + 0.15 + 0.4) / 1.0)
+    # p(segment) 0.6; weights 1, 1, 0.5.
+    assert segment_score(0.6, probs) == pytest.approx(0.6 + 0.75 + 0.5 + 0.5 * 0.45)
+    assert segment_score(0.6, probs, Weights(rel=2, sup=0, use=-1)) == pytest.approx(0.6 + 1.5 - 0.45)
+
+
+def test_missing_groups_and_zero_probabilities():
+    assert s_isrel({}) is None and s_issup({"isrel": {}}) is None and s_isuse({"isuse": None}) is None
+    assert s_isrel({"isrel": {"relevant": 0.0, "irrelevant": 0.0}}) is None
+    assert s_isrel({"isrel": {"relevant": 0.0, "irrelevant": 0.5}}) == 0.0
+    assert s_issup({"issup": {"partially": 0.3}}) == pytest.approx(0.5)  # absent labels count as probability 0
+    assert s_isuse({"isuse": {"5": 1e-30}}) == pytest.approx(1.0)
+    # A missing group adds nothing to a segment's score.
+    assert segment_score(0.25, {"isrel": {"relevant": 1.0, "irrelevant": 0.0}}) == pytest.approx(1.25)
+    assert segment_score(0.25, {}) == 0.25
+    with pytest.raises(ValueError, match="non-negative"):
+        s_isrel({"isrel": {"relevant": -0.1, "irrelevant": 0.5}})
+    with pytest.raises(ValueError, match="probability"):
+        segment_score(1.5, {})
+
+
+def test_adaptive_retrieval_threshold_at_the_boundary():
+    exactly = {"retrieve": {"yes": 0.2, "no": 0.8, "continue": 0.5}}
+    assert retrieve_probability(exactly) == 0.2  # 'continue' is not in the ratio
+    assert should_retrieve(exactly, 0.2) == (False, 0.2)  # strictly greater than delta
+    assert should_retrieve(exactly, math.nextafter(0.2, 0)) == (True, 0.2)
+    assert should_retrieve({"retrieve": {"yes": 0.0, "no": 0.0}}, 0.5) == (True, None)  # undefined -> retrieve
+    assert should_retrieve({}, 0.9) == (True, None)
+
+
+def _scripted_tree(seed, branching=3, depth=3):
+    rng = np.random.default_rng(seed)
+    scores = {}
+    for d in range(1, depth + 1):
+        for node in itertools.product(range(branching), repeat=d):
+            scores[node] = float(rng.normal(0.0, 1.0))
+
+    def expand(path: Path):
+        node = tuple(s.passage for s in path.segments)
+        if len(node) == depth:
+            return []
+        return [Segment(text=str(b), passage=b, score=scores[node + (b,)], final=len(node) + 1 == depth)
+                for b in range(branching)]
+
+    return scores, expand
+
+
+def test_beam_search_matches_brute_force_when_wide_and_greedy_when_narrow():
+    for seed in range(20):
+        scores, expand = _scripted_tree(seed)
+        leaves = [n for n in scores if len(n) == 3]
+        brute = max(leaves, key=lambda n: path_score([scores[n[:i]] for i in range(1, 4)]))
+        best = beam_search(expand, beam_width=27, max_depth=3)[0]
+        assert tuple(s.passage for s in best.segments) == brute
+        # beam width 1 = greedy on the running mean, computed by hand
+        node = ()
+        for _ in range(3):
+            node = max((node + (b,) for b in range(3)), key=lambda n: path_score([scores[n[:i]]
+                                                                                   for i in range(1, len(n) + 1)]))
+        assert tuple(s.passage for s in beam_search(expand, beam_width=1, max_depth=3)[0].segments) == node
+
+
+def test_finished_paths_wait_and_depth_limits():
+    def expand(path):
+        d = len(path.segments)
+        return [Segment("stop", 0, 0.9, final=True), Segment("go", 1, 0.5 - 0.1 * d)]
+
+    pool = beam_search(expand, beam_width=2, max_depth=3)
+    assert pool[0].text == "stop" and pool[0].final
+    assert all(len(p.segments) <= 3 for p in pool)
+    with pytest.raises(ValueError):
+        beam_search(expand, beam_width=0)
+
+
+def test_negative_terms_never_invert_a_ranking():
+    # Path A's segments each score above path B's, all negative (w_use = -2 on a useful answer).
+    probs_a = {"isuse": {"5": 1.0}, "isrel": {"relevant": 0.9, "irrelevant": 0.1}}
+    probs_b = {"isuse": {"5": 1.0}, "isrel": {"relevant": 0.5, "irrelevant": 0.5}}
+    w = Weights(rel=1.0, sup=1.0, use=-2.0)
+    a = [segment_score(0.3, probs_a, w), segment_score(0.2, probs_a, w)]
+    b = [segment_score(0.3, probs_b, w), segment_score(0.2, probs_b, w)]
+    assert all(x > y for x, y in zip(a, b)) and all(x < 0 for x in a + b)
+    assert path_score(a) > path_score(b)
+    assert np.prod(a) < np.prod(b)  # the reference code's product would rank B first
+    # Beam search keeps A.
+    segs = {(): [Segment("a", 0, a[0]), Segment("b", 1, b[0])], (0,): [Segment("a2", 0, a[1], final=True)],
+            (1,): [Segment("b2", 1, b[1], final=True)]}
+    best = beam_search(lambda p: segs[tuple(s.passage for s in p.segments)], beam_width=2, max_depth=2)[0]
+    assert best.text == "a a2"
+    # Closed-set aggregation: monotone in each score, negative or not.
+    agg = aggregate_options([0, 1, 1], [-0.5, -3.0, -3.0], 2)
+    assert agg[0] > agg[1] > 0
+    assert aggregate_options([None, 5], [1.0, 2.0], 2).tolist() == [0.0, 0.0]
+
+
+# ------------------------------------------------------------------------------------------- with real models
+
+
+def _tiny_llm(tmp_path, extra_tokens=()):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from certrag.llm import LocalLLM
+    from certrag.llm.models import BUNDLED_MODELS, converted_model_dir
+
+    try:
+        BUNDLED_MODELS["smollm2-135m-instruct"].gguf_parts()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    tok = AutoTokenizer.from_pretrained(str(converted_model_dir("smollm2-135m-instruct")), local_files_only=True)
+    if extra_tokens:
+        tok.add_tokens(list(extra_tokens), special_tokens=False)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    return LocalLLM(tmp_path)
+
+
+@pytest.mark.parametrize("reflection", [False, True])
+def test_label_probabilities_equal_a_direct_softmax(tmp_path, reflection):
+    import torch
+
+    from certrag.selfrag import GROUPS, REFLECTION_TOKENS, Critic
+
+    extra = [t for g in REFLECTION_TOKENS.values() for t in g] if reflection else []
+    llm = _tiny_llm(tmp_path, extra)
+    critic = Critic(llm)
+    assert critic.reflection is reflection
+    reqs = [("isrel", critic.prompt("isrel", "who?", "A passage.", "seg")),
+            ("issup", critic.prompt("issup", "who wrote the longer question here?", "Another passage, longer.",
+                                    "An answer")),
+            ("isuse", critic.prompt("isuse", "q", None, "a")),
+            ("retrieve", critic.prompt("retrieve", "when?"))]
+    assert len({len(ids) for _, ids in reqs}) > 1  # padding is exercised
+    got = critic.read(reqs)
+    for (group, ids), probs in zip(reqs, got):
+        with torch.inference_mode():
+            logits = llm.model(torch.tensor([ids])).logits[0, -1].double()
+        direct = torch.softmax(logits, -1)
+        want = [float(direct[t]) for t in critic.label_ids[group]]
+        np.testing.assert_allclose([probs[group][lab] for lab in GROUPS[group]], want, rtol=1e-4, atol=1e-12)
+
+
+def test_self_rag_answers_with_the_real_small_model(smollm):
+    from certrag.llm.prompts import Passage
+    from certrag.selfrag import SelfRag
+
+    passages = [Passage("The Eiffel Tower is a wrought-iron tower in Paris, France.", chunk_id=11),
+                Passage("Bananas are a good source of potassium.", chunk_id=12)]
+    res = SelfRag(beam_width=2, max_depth=1, delta=0.0, segment_tokens=16).run("Where is the Eiffel Tower?",
+                                                                                passages, smollm)
+    segments = [h for h in res.history if "segment" in h]
+    assert len(segments) == 2 and {h["passage"] for h in segments} == {0, 1}
+    for h in segments:
+        assert set(h["probs"]) == {"isrel", "issup", "isuse"} and 0 < h["p_segment"] <= 1
+        assert h["score"] == pytest.approx(segment_score(h["p_segment"], h["probs"]))
+    chosen = res.history[-1]
+    best = max(segments, key=lambda h: h["score"])
+    assert chosen["chosen"] == [best["passage"]] and res.cited == (best["passage"],)
+    assert res.text == best["segment"] and res.input_tokens > 0
+    # Adaptive retrieval off the chart: delta 1 never retrieves, so the one segment has no passage.
+    res = SelfRag(max_depth=1, delta=1.0, segment_tokens=8).run("Say hello.", passages, smollm)
+    assert [h["passage"] for h in res.history if "segment" in h] == [-1] and res.cited == ()
+
+
+def test_engine_answer_with_self_rag_cites_the_chosen_passages(tmp_path, smollm):
+    from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig
+    from certrag.engine import Engine
+    from certrag.eval.corpus import wiki_leads
+
+    docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:20]]
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=4, rerank=False),
+                          selection=SelectionConfig(method="topk", k=2))
+    with Engine.build(docs, tmp_path / "s", config, progress=False) as engine:
+        engine.llm = smollm
+        a = engine.answer(f"What is {docs[3]['id'][5:]}?", strategy="self_rag", max_new_tokens=12)
+    chosen = a.trace["history"][-1]
+    assert a.strategy == "self_rag" and a.text
+    assert a.cited_chunk_ids == tuple(int(a.retrieval.chunk_ids[i]) for i in chosen["cited_passages"])
+    assert any("p_retrieve" in h for h in a.trace["history"])
