@@ -188,7 +188,7 @@ def summarise(rows, args) -> str:
         if r["group"] == 0:
             by_lib.setdefault(r["library"], []).append(r)
     m = rows[0]["params"]
-    lines = [f"### HNSW index (bench_index.py)\n",
+    lines = ["### HNSW index (bench_index.py)\n",
              f"{m['n']:,} clustered unit vectors of dimension {m['dim']} (certrag.datasets), {m['queries']} queries, "
              f"recall@10 against exact search, M={m['M']}, ef_construction={m['ef_construction']}, "
              f"{m['threads']} threads for build and batch search, 1 thread per single query; batch time is the "

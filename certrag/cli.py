@@ -31,7 +31,6 @@ def main(verbose: bool) -> None:
 def info(store: Path | None, as_json: bool) -> None:
     """What this build is (version, compiler, SIMD, threading), or with STORE what a store holds."""
     if store is not None:
-        from certrag.engine import Engine
 
         with _open_engine(store, read_only=True) as engine:
             data = engine.info()
@@ -243,8 +242,10 @@ def search(store: Path, question: str, candidates: int | None, selector: str | N
               help="Send only the chunks trusted under the store's conformal calibration (see `certrag calibrate`); "
                    "not applied when its diagnostics say the guarantee does not hold.")
 @click.option("--force-certify", is_flag=True, help="Filter to the trusted chunks even when the guarantee fails.")
+@click.option("--confidence", is_flag=True,
+              help="Record lookback ratios while answering and report the factuality classifier's P(supported).")
 def ask(store: Path, question: str, strategy: str, model: str | None, as_json: bool, certify: bool,
-        force_certify: bool) -> None:
+        force_certify: bool, confidence: bool) -> None:
     """Answer QUESTION from STORE with a local LLM."""
     from certrag.llm import LocalLLM
 
@@ -255,8 +256,9 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
             except (ValueError, RuntimeError) as exc:
                 raise click.ClickException(str(exc)) from None
         try:
-            a = engine.answer(question, strategy=strategy, certify=certify, force_certify=force_certify)
-        except ValueError as exc:
+            a = engine.answer(question, strategy=strategy, certify=certify, force_certify=force_certify,
+                              confidence=confidence)
+        except (ValueError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(a.to_dict(), indent=2, ensure_ascii=False, default=str))
@@ -267,6 +269,8 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
     click.echo(f"({a.strategy}; {a.rounds} round(s); cites chunks {list(a.cited_chunk_ids)}; "
                f"{a.input_tokens} in / {a.output_tokens} out tokens; cost {a.cost:.6f}; "
                f"retrieve {a.trace['retrieve_ms']:.0f} ms, generate {a.trace['generate_ms']:.0f} ms)")
+    if a.confidence is not None:
+        click.echo(f"(factual confidence {a.confidence:.2f}: P(supported) from lookback ratios)")
     c = a.certification
     if c is not None:
         click.echo(f"(certified at alpha {c.alpha}: {c.trusted_count} of {len(c.trusted)} candidates trusted; "

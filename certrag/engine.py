@@ -76,10 +76,13 @@ class Answer:
     trace: dict = field(default_factory=dict)
     retrieval: Retrieval | None = None
     certification: object = None  # certrag.conformal.Certification when answer(certify=True)
+    confidence: float | None = None  # P(supported) from lookback ratios when answer(confidence=True)
+    lookback: object = None  # certrag.lookback.LookbackFeatures of the answer's generation, with confidence
 
     def to_dict(self) -> dict:
         return {"question": self.question, "answer": self.text, "strategy": self.strategy,
                 "certification": self.certification.to_dict() if self.certification is not None else None,
+                "confidence": self.confidence,
                 "cited_chunk_ids": list(self.cited_chunk_ids),
                 "notes": [{"passage": n.passage, "kind": n.kind, "text": n.text} for n in self.notes],
                 "rejected": self.rejected, "malformed": self.malformed, "rounds": self.rounds,
@@ -110,6 +113,7 @@ class Engine:
         self._llm = None
         self._chunker = None
         self._calibration = None
+        self.factuality = None  # certrag.factuality.FactualityClassifier used by answer(confidence=True)
         self._reindex()
         self.last_report: BuildReport | None = None
 
@@ -405,7 +409,7 @@ class Engine:
 
     def answer(self, question: str, strategy: str = "plain", *, qtype: str = "open",
                options: list[str] | None = None, prices=None, max_new_tokens: int | None = None,
-               certify: bool = False, force_certify: bool = False) -> Answer:
+               certify: bool = False, force_certify: bool = False, confidence: bool = False) -> Answer:
         """Retrieves, then answers with a strategy: plain, chain_of_note, feedback (SAGE's loop around plain) or
         feedback:chain_of_note. The feedback loop re-selects from the same reranked candidates with min_k moved by
         the model's flag, so retrieval runs once. max_new_tokens overrides the strategy's budget (for
@@ -414,12 +418,16 @@ class Engine:
         certify=True marks every candidate trusted or not under the store's conformal calibration and, when its
         diagnostics say the guarantee holds (or force_certify=True), sends the trusted candidates instead of the
         selector's cut (at most selection.max_k); with none trusted the answer is "unknown", counted as a rejection,
-        and no LLM call is made."""
+        and no LLM call is made.
+
+        confidence=True records lookback ratios while the local model writes the answer and fills Answer.confidence
+        with the factuality classifier's P(supported) (engine.factuality; by default the one shipped for the
+        model)."""
         import dataclasses as dc
 
         from certrag.cost import PriceTable
         from certrag.llm.prompts import Passage
-        from certrag.strategies import STRATEGIES, Feedback
+        from certrag.strategies import STRATEGIES
 
         base_name, feedback = strategy, False
         if strategy.startswith("feedback"):
@@ -446,24 +454,27 @@ class Engine:
         t1 = time.perf_counter()
         positive = (positive_scores(r.rerank_scores, "logit") if not np.isnan(r.rerank_scores).all()
                     else positive_scores(r.dense_scores, "cosine"))
-        sel_cfg = self.config.selection
 
         def passages_for(n: int) -> list:
             return [Passage(text=r.texts[i], chunk_id=int(r.chunk_ids[i])) for i in range(n)]
 
         llm = self.llm
-        if feedback:
-            gradient = dc.replace(sel_cfg, method="gradient")
-
-            def retrieve_k(min_k: int) -> list:
-                sel = dc.replace(gradient, min_k=min_k, max_k=max(min_k, gradient.max_k)).make()
-                return passages_for(min(sel.select(positive), limit))
-
-            result = Feedback(base=base).run_adaptive(question, retrieve_k, llm, min(sel_cfg.min_k, limit), qtype,
-                                                      options, max_k=limit or 1)
-        else:
-            result = base.run(question, passages_for(r.selected), llm, qtype, options)
+        classifier = self._factuality_for(llm) if confidence else None
+        recording_before = getattr(llm, "record_lookback", False)
+        if confidence:
+            llm.record_lookback = True
+        try:
+            result = self._run_strategy(base, feedback, question, r, llm, passages_for, positive, limit, qtype,
+                                        options)
+        finally:
+            if confidence:
+                llm.record_lookback = recording_before
         t2 = time.perf_counter()
+        conf = features = None
+        if confidence and result.answer_call is not None and result.calls:
+            features = result.calls[result.answer_call].lookback
+            if features is not None:
+                conf = classifier.predict(features)
         used = result.passages_used
         cited = tuple(int(r.chunk_ids[i]) for i in range(used))
         if result.cited is not None:
@@ -478,7 +489,34 @@ class Engine:
         return Answer(question=question, text=result.text, strategy=strategy, cited_chunk_ids=cited,
                       notes=result.notes, rejected=result.rejected, malformed=result.malformed, rounds=result.rounds,
                       input_tokens=result.input_tokens, output_tokens=result.output_tokens, cost=cost, model=model,
-                      trace=trace, retrieval=r, certification=certification)
+                      trace=trace, retrieval=r, certification=certification, confidence=conf, lookback=features)
+
+    def _run_strategy(self, base, feedback: bool, question: str, r: Retrieval, llm, passages_for, positive,
+                      limit: int, qtype: str, options):
+        import dataclasses as dc
+
+        from certrag.strategies import Feedback
+
+        if not feedback:
+            return base.run(question, passages_for(r.selected), llm, qtype, options)
+        gradient = dc.replace(self.config.selection, method="gradient")
+
+        def retrieve_k(min_k: int) -> list:
+            sel = dc.replace(gradient, min_k=min_k, max_k=max(min_k, gradient.max_k)).make()
+            return passages_for(min(sel.select(positive), limit))
+
+        return Feedback(base=base).run_adaptive(question, retrieve_k, llm, min(self.config.selection.min_k, limit),
+                                                qtype, options, max_k=limit or 1)
+
+    def _factuality_for(self, llm):
+        """The factuality classifier for llm: engine.factuality when set, else the one shipped for the model."""
+        if not hasattr(llm, "record_lookback"):
+            raise ValueError("confidence needs a local model (certrag LocalLLM): it reads the model's attention")
+        if self.factuality is None:
+            from certrag.factuality import FactualityClassifier
+
+            self.factuality = FactualityClassifier.for_model(getattr(llm, "name", ""))
+        return self.factuality
 
     def retrieve(self, question: str | Sequence[str], *, candidates: int | None = None,
                  selector=None, rerank: bool | None = None) -> "Retrieval | list[Retrieval]":

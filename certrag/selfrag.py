@@ -120,6 +120,7 @@ class Segment:
     p_segment: float = 1.0
     probs: dict = field(default_factory=dict)
     final: bool = False  # the answer ends here
+    call: int = -1  # index of the generation that wrote it
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ class SelfRag:
             trace.append({"depth": len(path.segments), "retrieve": retrieve, "p_retrieve": p_ret,
                           "probs": decision_probs})
             use = list(range(len(passages))) if retrieve and passages else [-1]
-            gens = []
+            gens, first_call = [], len(calls)
             for i in use:
                 ctx = [passages[i]] if i >= 0 else []
                 g = llm.generate(plain_messages(question, ctx, qtype, options), max_new_tokens=self.segment_tokens,
@@ -321,7 +322,7 @@ class SelfRag:
             texts = [_segment_text(g.text) for g in gens]
             crit = critic.critique(question, [passages[i].text if i >= 0 else None for i in use], texts, prior)
             out = []
-            for i, g, t, probs in zip(use, gens, texts, crit):
+            for j, (i, g, t, probs) in enumerate(zip(use, gens, texts, crit)):
                 p_seg = math.exp(g.mean_logprob) if math.isfinite(g.mean_logprob) else 0.0
                 score = segment_score(min(p_seg, 1.0), probs, self.weights)
                 sup = _group(probs, "issup")
@@ -332,7 +333,8 @@ class SelfRag:
                               "p_segment": p_seg, "score": score, "unsupported": unsupported})
                 if self.drop_unsupported and unsupported and i >= 0:
                     continue
-                out.append(Segment(text=t, passage=i, score=score, p_segment=p_seg, probs=probs, final=final))
+                out.append(Segment(text=t, passage=i, score=score, p_segment=p_seg, probs=probs, final=final,
+                                   call=first_call + j))
             return out
 
         pool = beam_search(expand, beam_width=self.beam_width, max_depth=self.max_depth)
@@ -340,14 +342,14 @@ class SelfRag:
                                   finish_reason="critic")
         if not pool:  # every segment was dropped as unsupported
             return StrategyResult(text="unknown", calls=tuple(calls) + (critic_calls,), rejected=True,
-                                  passages_used=0, history=tuple(trace))
+                                  passages_used=0, history=tuple(trace), answer_call=None)
         best = pool[0]
         text = _first_line(best.text) if qtype != "open" else best.text
         if qtype in ("multiple_choice", "yes_no"):
             text = self._closed_set(pool, qtype, options, trace) or text
         cited = sorted({s.passage for s in best.segments if s.passage >= 0})
         return StrategyResult(text=text, calls=tuple(calls) + (critic_calls,), passages_used=len(passages),
-                              cited=tuple(cited), history=tuple(trace) + ({"chosen": [s.passage for s in best.segments],
+                              cited=tuple(cited), answer_call=best.segments[-1].call, history=tuple(trace) + ({"chosen": [s.passage for s in best.segments],
                                                        "score": best.score, "cited_passages": cited,
                                                        "critic_forward_passes": critic.forward_passes},))
 

@@ -35,6 +35,7 @@ class StrategyResult:
     passages_used: int = 0
     history: tuple[dict, ...] = ()
     cited: tuple[int, ...] | None = None  # 0-based passage indices the answer rests on, when the strategy knows
+    answer_call: int | None = 0  # index in calls of the generation that wrote the answer (None: no single one)
 
     @property
     def input_tokens(self) -> int:
@@ -165,11 +166,12 @@ class Feedback:
                      qtype: str = "open", options: list[str] | None = None, max_k: int = 10) -> StrategyResult:
         if self.max_rounds < 1:
             raise ValueError("max_rounds must be at least 1")
-        calls, history, result = [], [], None
+        calls, history, result, answer_call = [], [], None, 0
         k = min_k
         for round_no in range(1, self.max_rounds + 1):
             passages = retrieve(k)
             result = self.base.run(question, passages, llm, qtype, options)
+            answer_call = None if result.answer_call is None else len(calls) + result.answer_call
             calls += result.calls
             judge = llm.generate(feedback_messages(question, passages, result.text),
                                  max_new_tokens=self.max_new_tokens)
@@ -185,7 +187,7 @@ class Feedback:
             k = new_k
         return StrategyResult(text=result.text, calls=tuple(calls), notes=result.notes, rejected=result.rejected,
                               malformed=result.malformed, rounds=len(history), passages_used=result.passages_used,
-                              history=tuple(history))
+                              history=tuple(history), answer_call=answer_call, cited=result.cited)
 
 
 def _self_rag(max_new_tokens: int | None = None, **kwargs):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import certrag
-from certrag import HnswIndex, IndexFormatError
-from certrag.datasets import clustered_vectors, exact_search, recall_at_k
+from certrag import HnswIndex
+from certrag.datasets import exact_search, recall_at_k
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])

@@ -1,6 +1,5 @@
 """Saving and loading: round trips, atomic writes, and files that are truncated, corrupted, crafted or foreign."""
 
-import os
 import signal
 import struct
 import subprocess

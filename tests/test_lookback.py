@@ -125,3 +125,71 @@ def test_recorded_answer_with_the_real_small_model(smollm):
     ids = smollm.prompt_ids(messages)
     for (a, b), p in zip(f.chunk_spans, passages):
         assert smollm.tokenizer.decode(ids[a:b]).strip() == p.text
+
+
+def test_answer_confidence_from_the_recorded_generation(tmp_path, smollm):
+    from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig
+    from certrag.engine import Engine
+    from certrag.eval.corpus import wiki_leads
+    from certrag.factuality import FactualityClassifier
+    from certrag.llm.prompts import Passage, plain_messages
+
+    docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:15]]
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=4, rerank=False),
+                          selection=SelectionConfig(method="topk", k=2))
+    cfg = smollm.model.config
+    n = cfg.num_hidden_layers * cfg.num_attention_heads
+    rng = np.random.default_rng(0)
+    clf = FactualityClassifier(model="smollm2-135m-instruct", kind="chunks", layers=cfg.num_hidden_layers,
+                               heads=cfg.num_attention_heads, mean=np.full(n, 0.5), scale=np.full(n, 0.1),
+                               coef=rng.normal(size=n) / n, intercept=0.1, card={})
+    question = f"What is {docs[2]['id'][5:]}?"
+    with Engine.build(docs, tmp_path / "s", config, progress=False) as engine:
+        engine.llm = smollm
+        with pytest.raises(FileNotFoundError, match="train-factuality"):
+            engine.answer(question, confidence=True)
+        engine.factuality = clf
+        a = engine.answer(question, confidence=True, max_new_tokens=12)
+        plain = engine.answer(question, max_new_tokens=12)
+    assert a.text == plain.text and plain.confidence is None and not smollm.record_lookback
+    assert a.lookback.steps == a.output_tokens - 1
+    assert a.confidence == pytest.approx(clf.predict(a.lookback)) and 0 < a.confidence < 1
+    # The features are those of an independent recording of the same prompt.
+    passages = [Passage(t, chunk_id=int(c)) for t, c in zip(a.retrieval.selected_texts,
+                                                           a.retrieval.selected_chunk_ids)]
+    smollm.record_lookback = True
+    try:
+        again = smollm.generate(plain_messages(question, passages), max_new_tokens=12).lookback
+    finally:
+        smollm.record_lookback = False
+    np.testing.assert_allclose(again.chunks, a.lookback.chunks, rtol=1e-5)
+    # The classifier refuses features of another shape.
+    small = FactualityClassifier(model="x", kind="chunks", layers=1, heads=2, mean=np.zeros(2), scale=np.ones(2),
+                                 coef=np.ones(2), intercept=0.0, card={})
+    with pytest.raises(ValueError, match="expects 1 layers x 2 heads"):
+        small.predict(a.lookback)
+
+
+def test_classifier_round_trip_and_fit(tmp_path):
+    pytest.importorskip("sklearn")
+    from certrag.factuality import FactualityClassifier, auroc, fit
+
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 2, 300)
+    x = rng.normal(size=(300, 12)) + y[:, None] * np.linspace(0, 1.5, 12)
+    clf, report = fit(x, y, model="m", kind="chunks", layers=3, heads=4, card={"note": "synthetic"})
+    assert set(report) == {0.001, 0.01, 0.1, 1.0} and clf.card["cv_auroc"] == max(report.values()) > 0.8
+    clf.save(tmp_path / "c.json")
+    back = FactualityClassifier.load(tmp_path / "c.json")
+    np.testing.assert_allclose(back.predict_vectors(x), clf.predict_vectors(x))
+    assert auroc(y, back.predict_vectors(x)) > 0.8
+    from sklearn.linear_model import LogisticRegression
+
+    ref = LogisticRegression(C=clf.card["C"], max_iter=2000).fit((x - x.mean(0)) / x.std(0), y)
+    np.testing.assert_allclose(clf.predict_vectors(x), ref.predict_proba((x - x.mean(0)) / x.std(0))[:, 1],
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="all the same"):
+        fit(x, np.ones(300), model="m", kind="chunks", layers=3, heads=4, card={})
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="cannot load"):
+        FactualityClassifier.load(tmp_path / "bad.json")

@@ -117,7 +117,6 @@ class LocalLLM:
         if prefix:
             ids = ids + self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
         started = time.perf_counter()
-        rec = None
         with self._lock, torch.inference_mode(), self._recording(len(ids), spans) as rec:
             previous = torch.get_num_threads()
             torch.set_num_threads(self.num_threads)
