@@ -407,11 +407,12 @@ class Engine:
     def llm(self, value) -> None:
         self._llm = value
 
-    def answer(self, question: str, strategy: str = "plain", *, qtype: str = "open",
+    def answer(self, question: str, strategy="plain", *, qtype: str = "open",
                options: list[str] | None = None, prices=None, max_new_tokens: int | None = None,
                certify: bool = False, force_certify: bool = False, confidence: bool = False) -> Answer:
-        """Retrieves, then answers with a strategy: plain, chain_of_note, feedback (SAGE's loop around plain) or
-        feedback:chain_of_note. The feedback loop re-selects from the same reranked candidates with min_k moved by
+        """Retrieves, then answers with a strategy: plain, chain_of_note, self_rag, feedback (SAGE's loop around
+        plain) or feedback:chain_of_note -- or a configured strategy object such as SelfRag(delta=0.5). The feedback
+        loop re-selects from the same reranked candidates with min_k moved by
         the model's flag, so retrieval runs once. max_new_tokens overrides the strategy's budget (for
         chain_of_note it is per passage).
 
@@ -423,12 +424,14 @@ class Engine:
         confidence=True records lookback ratios while the local model writes the answer and fills Answer.confidence
         with the factuality classifier's P(supported) (engine.factuality; by default the one shipped for the
         model)."""
-        import dataclasses as dc
-
-        from certrag.cost import PriceTable
-        from certrag.llm.prompts import Passage
         from certrag.strategies import STRATEGIES
 
+        if not isinstance(strategy, str):  # a configured strategy object (anything with run(...) and a name)
+            if not callable(getattr(strategy, "run", None)):
+                raise ValueError(f"strategy must be a name or an object with a run method; got {strategy!r}")
+            name = getattr(strategy, "name", type(strategy).__name__)
+            return self._answer_with(strategy, False, question, name, qtype, options, prices, certify,
+                                     force_certify, confidence)
         base_name, feedback = strategy, False
         if strategy.startswith("feedback"):
             feedback, _, base_name = strategy.partition(":")
@@ -437,6 +440,16 @@ class Engine:
             raise ValueError(f"strategy must be plain, chain_of_note, self_rag, feedback or feedback:<base>; got "
                              f"{strategy!r}")
         base = STRATEGIES[base_name]() if max_new_tokens is None else STRATEGIES[base_name](max_new_tokens=max_new_tokens)
+        return self._answer_with(base, bool(feedback), question, strategy, qtype, options, prices, certify,
+                                 force_certify, confidence)
+
+    def _answer_with(self, base, feedback: bool, question: str, strategy: str, qtype: str, options, prices,
+                     certify: bool, force_certify: bool, confidence: bool) -> Answer:
+        import dataclasses as dc
+
+        from certrag.cost import PriceTable
+        from certrag.llm.prompts import Passage
+
         t0 = time.perf_counter()
         r = self.retrieve(question)
         certification, limit = None, len(r.chunk_ids)
