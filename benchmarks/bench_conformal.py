@@ -2,8 +2,8 @@
 
 Store: the NQ-open gold passages + Wikipedia leads of bench_retrieval.py (one chunk per passage), 20 reranked
 candidates per question. A candidate is correct when it is the question's gold passage or holds a gold answer
-(RougeL recall >= 0.8; certrag.conformal.ChunkJudge). Two retrievers: the default (cross-encoder, sigmoid of the
-fused logit) and the bi-encoder alone ((1 + cos) / 2 over the same candidates, re-sorted).
+(RougeL recall >= 0.8; certrag.conformal.ChunkJudge). Two retrievers: the default (cross-encoder, its fused
+logit as the score) and the bi-encoder alone (the cosine over the same candidates, re-sorted).
 
 For alpha in {0.05, 0.1, 0.2}: s_thres from the 533 calibration questions; on the 1,081 test questions the empirical
 coverage beside 1 - alpha, m1, m2, the mean trusted-set size and its context tokens. Then answers with the bundled
@@ -68,10 +68,10 @@ def main() -> None:
         for r, c in zip(results[split], correct[split]):
             if retriever == "reranked":
                 order = np.arange(len(r.chunk_ids))
-                sc = calibrated_scores(r.rerank_scores, r.dense_scores, "sigmoid(rerank)")
+                sc = calibrated_scores(r.rerank_scores, r.dense_scores, "rerank logit")
             else:
                 order = np.argsort(-r.dense_scores, kind="stable")
-                sc = calibrated_scores(r.rerank_scores, r.dense_scores[order], "(1+cos)/2")
+                sc = calibrated_scores(r.rerank_scores, r.dense_scores[order], "cosine")
             out.scores.append(sc)
             out.correct.append(c[order])
             orders.append(order)
@@ -115,7 +115,7 @@ def main() -> None:
         max_k = EngineConfig().selection.max_k
         conditions = {"default selection (gradient)": [], "conformal filter alpha=0.1": []}
         for it, r in zip(splits["test"][: args.questions], results["test"][: args.questions]):
-            sc = calibrated_scores(r.rerank_scores, r.dense_scores, "sigmoid(rerank)")
+            sc = calibrated_scores(r.rerank_scores, r.dense_scores, "rerank logit")
             n_sel = {"default selection (gradient)": selector.select(positive_scores(r.rerank_scores, "logit")),
                      "conformal filter alpha=0.1": min(int((sc >= s_thres).sum()), max_k)}
             for name, n in n_sel.items():

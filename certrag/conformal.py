@@ -4,8 +4,9 @@ A calibration set holds (question, reference answers, optional source passage or
 engine retrieves and reranks its N candidates; a candidate is *correct* when it is the source (same document id, or
 its text is a piece of the source passage: RougeL precision against it >= source_threshold) or when a reference
 answer is found in it (RougeL recall of the answer >= answer_threshold; Google's `rouge-score`, the implementation
-the ROUGE-reporting papers use). Scores are made comparable across questions by a stated transform: the sigmoid of
-the (fused) reranker logit, or (1 + cosine) / 2 when no reranker runs.
+the ROUGE-reporting papers use). The score is the (fused) reranker logit, or the cosine similarity when no reranker
+runs: split conformal needs only one scalar per candidate on a fixed scale, is unchanged by any monotone transform,
+and raw logits cannot saturate the way a sigmoid of large logits does.
 
 The nonconformity score of an item is minus the score of its best correct candidate (+inf when no correct candidate
 was retrieved), and the threshold is the split-conformal quantile: with n items, the ceil((n+1)(1-alpha))-th
@@ -74,19 +75,19 @@ def conformal_quantile(nonconformity: Sequence[float] | np.ndarray, alpha: float
 
 
 def score_transform_name(reranked: bool) -> str:
-    return "sigmoid(rerank)" if reranked else "(1+cos)/2"
+    return "rerank logit" if reranked else "cosine"
 
 
 def calibrated_scores(rerank_scores: np.ndarray, dense_scores: np.ndarray, transform: str) -> np.ndarray:
-    """Candidate scores on the calibration's scale: float64 in [0, 1], order-preserving."""
-    if transform == "sigmoid(rerank)":
+    """Candidate scores on the calibration's scale (float64), in the retrieval's order."""
+    if transform == "rerank logit":
         x = np.asarray(rerank_scores, dtype=np.float64)
         if np.isnan(x).any():
             raise CalibrationError("the calibration is on reranker scores, but this retrieval ran without the "
                                    "reranker")
-        return 0.5 * (1.0 + np.tanh(0.5 * x))  # the sigmoid, without overflow for large |x|
-    if transform == "(1+cos)/2":
-        return (1.0 + np.asarray(dense_scores, dtype=np.float64)) / 2.0
+        return x
+    if transform == "cosine":
+        return np.asarray(dense_scores, dtype=np.float64)
     raise CalibrationError(f"unknown score transform {transform!r}")
 
 

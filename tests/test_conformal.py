@@ -148,7 +148,7 @@ def test_chunk_judge_hand_cases():
 
 
 def _record(**changes):
-    base = dict(alpha=0.1, s_thres=0.7, n=50, score_transform="(1+cos)/2", embedder="e", reranker=None,
+    base = dict(alpha=0.1, s_thres=0.7, n=50, score_transform="cosine", embedder="e", reranker=None,
                 candidates=8, answer_threshold=0.8, source_threshold=0.9, created="2026-01-01T00:00:00Z",
                 diagnostics=Diagnostics(n_eval=20, coverage=0.9, m1=0.95, m2=0.3, mean_trusted=2.4,
                                         retrieval_recall=0.97, holds=True))
@@ -229,7 +229,7 @@ def test_engine_calibration_on_a_real_retriever_holds_and_is_stored(wiki_engine)
     rec = engine.calibrate(items, alpha=0.2, holdout=0.3, progress=False)
     d = rec.diagnostics
     assert rec.n + d.n_eval == len(items) and rec.n >= 150
-    assert rec.score_transform == "(1+cos)/2" and rec.s_thres is not None and 0 < rec.s_thres < 1
+    assert rec.score_transform == "cosine" and rec.s_thres is not None and 0 < rec.s_thres < 1
     assert d.holds, d.reasons
     assert d.coverage >= 0.8 - 2 * math.sqrt(0.16 / d.n_eval) and d.m1 >= d.coverage
     assert 0 < d.m2 < 1 and d.retrieval_recall >= d.coverage
@@ -239,7 +239,7 @@ def test_engine_calibration_on_a_real_retriever_holds_and_is_stored(wiki_engine)
         r = again.retrieve(items[0]["question"])
         c = again.certify(r)
         assert c.applied and c.trusted.tolist() == (c.scores >= rec.s_thres).tolist()
-        np.testing.assert_allclose(c.scores, (1 + r.dense_scores.astype(np.float64)) / 2)
+        np.testing.assert_allclose(c.scores, r.dense_scores.astype(np.float64))
 
 
 def test_engine_calibration_on_a_broken_retriever_reports_failure(tmp_path, wiki_engine):
