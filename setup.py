@@ -42,7 +42,7 @@ setup(
     ext_modules=[CMakeExtension("certrag._core")],
     cmdclass={"build_ext": CMakeBuild},
     package_dir={"certrag": "certrag", "certrag.kernels": "kernels"},
-    packages=["certrag", "certrag.segment", "certrag.eval", "certrag.kernels"],
+    packages=["certrag", "certrag.segment", "certrag.eval", "certrag.llm", "certrag.kernels"],
     package_data={"certrag.segment": ["data/*.safetensors", "data/*.json"],
-                  "certrag": ["reranker/*.json", "reranker/*.safetensors"]},
+                  "certrag": ["reranker/*.json", "reranker/*.safetensors", "factuality/*.json"]},
 )
