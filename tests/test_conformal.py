@@ -279,3 +279,27 @@ def test_certified_answer_with_nothing_trusted_is_unknown_without_an_llm_call(wi
     a = engine.answer(items[0]["question"], certify=True)
     assert a.text == "unknown" and a.rejected and a.cited_chunk_ids == ()
     assert a.certification.applied and a.certification.trusted_count == 0 and a.retrieval.selected == 0
+
+
+def test_cli_calibrate_dry_run_and_refusals(tmp_path, wiki_engine):
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+
+    _, path, _, items = wiki_engine
+    data = tmp_path / "cal.jsonl"
+    data.write_text("".join(json.dumps(it) + "\n" for it in items[:120]))
+    plot = tmp_path / "cov.png"
+    res = CliRunner().invoke(main, ["calibrate", str(path), "--data", str(data), "--alpha", "0.2", "--dry-run",
+                                    "--plot", str(plot), "--json"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(res.output[res.output.index("{"):])
+    assert rec["alpha"] == 0.2 and rec["n"] + rec["diagnostics"]["n_eval"] == 120
+    assert plot.stat().st_size > 1000
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q"}\n')
+    res = CliRunner().invoke(main, ["calibrate", str(path), "--data", str(bad), "--dry-run"])
+    assert res.exit_code != 0 and "answers" in res.output
+    res = CliRunner().invoke(main, ["calibrate", str(path), "--data", str(data), "--alpha", "0.01", "--dry-run",
+                                    "--holdout", "0.5"])
+    assert res.exit_code != 0 and "needs at least 99 calibration items" in res.output
