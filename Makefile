@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.certrag-installed
 BUILD_INPUTS := pyproject.toml setup.py CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: demo test bench-deps bench-index bench-segment bench-retrieval train-segmenter train-reranker clean
+.PHONY: demo test bench-deps bench-index bench-segment bench-retrieval bench-scale bench-qa bench-selfrag \
+	bench-conformal bench-lookback bench-factuality train-segmenter train-reranker train-factuality clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +43,29 @@ bench-segment: bench-deps
 bench-retrieval: bench-deps
 	$(PY) benchmarks/bench_retrieval.py
 
+bench-scale: bench-deps
+	$(PY) benchmarks/bench_scale.py
+
+bench-qa: bench-deps $(READER_STAMP)
+	$(PY) benchmarks/bench_qa.py
+
+bench-selfrag: bench-deps $(READER_STAMP)
+	$(PY) benchmarks/bench_selfrag.py
+
+bench-conformal: bench-deps $(READER_STAMP)
+	$(PY) benchmarks/bench_conformal.py
+
+bench-lookback: bench-deps $(READER_STAMP)
+	$(PY) benchmarks/bench_lookback.py
+
+bench-factuality: bench-deps $(READER_STAMP)
+	$(PY) benchmarks/bench_factuality.py
+
 train-reranker: $(STAMP)
 	$(PY) -m certrag.cli train-reranker --out certrag/reranker
+
+train-factuality: $(READER_STAMP)
+	$(PY) -m certrag.cli train-factuality
 
 train-segmenter: $(STAMP)
 	$(PY) -m certrag.cli train-segmenter --out certrag/segment/data/head.safetensors
