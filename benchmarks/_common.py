@@ -127,3 +127,32 @@ def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def concurrent_latency(call, questions: list[str], callers: int) -> dict:
+    """Runs call(question) for every question from `callers` threads sharing one queue; returns the per-call
+    latency percentiles (ms), the count and the throughput (calls/s over the wall time)."""
+    import threading
+
+    times, lock, work = [], threading.Lock(), list(questions)
+
+    def caller():
+        while True:
+            with lock:
+                if not work:
+                    return
+                q = work.pop()
+            t = time.perf_counter()
+            call(q)
+            with lock:
+                times.append(time.perf_counter() - t)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=caller) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    return {"callers": callers, "queries": len(times), "throughput_qps": len(times) / wall, **percentiles_ms(times)}
+

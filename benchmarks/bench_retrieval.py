@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -135,31 +134,10 @@ def main() -> None:
     # Latency of retrieve() at 1 and 16 concurrent callers.
     questions = [it.question for it in load_nq_open(split="test")][: args.latency_queries]
     latency = []
+    engine.retrieve(questions[0])
     for callers in (1, 16):
-        times, lock = [], threading.Lock()
-        work = list(questions)
-
-        def caller():
-            while True:
-                with lock:
-                    if not work:
-                        return
-                    q = work.pop()
-                t = time.perf_counter()
-                engine.retrieve(q)
-                with lock:
-                    times.append(time.perf_counter() - t)
-
-        engine.retrieve(questions[0])
-        started = time.perf_counter()
-        threads = [threading.Thread(target=caller) for _ in range(callers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - started
-        latency.append({"what": "retrieve_latency", "callers": callers, "chunks": len(engine),
-                        "queries": len(times), "throughput_qps": len(times) / wall, **_common.percentiles_ms(times)})
+        latency.append({"what": "retrieve_latency", "chunks": len(engine),
+                        **_common.concurrent_latency(engine.retrieve, questions, callers)})
 
     # Indexing throughput without a cache (the real cost), default SAGE chunker and the packing chunker.
     import tempfile

@@ -19,7 +19,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -86,32 +85,13 @@ def latency(corpus, embedder, reranker, questions) -> list[dict]:
         print(f"built the {len(engine):,}-chunk store in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     rows = []
     for rerank in (True, False):
+        for q in questions[:3]:
+            engine.retrieve(q, rerank=rerank)
+        selector = None if rerank else TopKSelector(k=5)
         for callers in (1, 16):
-            times, lock = [], threading.Lock()
-            work = list(questions)
-
-            def caller():
-                while True:
-                    with lock:
-                        if not work:
-                            return
-                        q = work.pop()
-                    t0 = time.perf_counter()
-                    engine.retrieve(q, rerank=rerank, selector=None if rerank else TopKSelector(k=5))
-                    with lock:
-                        times.append(time.perf_counter() - t0)
-
-            for q in questions[:3]:
-                engine.retrieve(q, rerank=rerank)
-            started = time.perf_counter()
-            threads = [threading.Thread(target=caller) for _ in range(callers)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - started
-            rows.append({"what": "retrieve_latency", "rerank": rerank, "callers": callers, "chunks": len(engine),
-                         "queries": len(times), "throughput_qps": len(times) / wall, **_common.percentiles_ms(times)})
+            row = _common.concurrent_latency(lambda q: engine.retrieve(q, rerank=rerank, selector=selector),
+                                             questions, callers)
+            rows.append({"what": "retrieve_latency", "rerank": rerank, "chunks": len(engine), **row})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     engine.close()
     return rows
