@@ -28,6 +28,8 @@ class AnswerRequest(BaseModel):
     strategy: Literal["plain", "chain_of_note", "self_rag", "feedback", "feedback:chain_of_note"] = "plain"
     qtype: Literal["open", "multiple_choice", "yes_no"] = "open"
     options: list[str] | None = None
+    certify: bool = False  # only chunks trusted under the store's conformal calibration (when it holds)
+    confidence: bool = False  # P(supported) from lookback ratios (local model with a factuality classifier)
 
 
 def create_app(llm, engine=None, *, max_body_bytes: int = 1 << 20):
@@ -68,8 +70,9 @@ def create_app(llm, engine=None, *, max_body_bytes: int = 1 << 20):
             raise HTTPException(status_code=404, detail="this server has no store")
         try:
             with lock:
-                a = engine.answer(req.question, strategy=req.strategy, qtype=req.qtype, options=req.options)
-        except ValueError as exc:
+                a = engine.answer(req.question, strategy=req.strategy, qtype=req.qtype, options=req.options,
+                                  certify=req.certify, confidence=req.confidence)
+        except (ValueError, FileNotFoundError) as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from None
         return a.to_dict()
 
