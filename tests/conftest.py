@@ -1,5 +1,21 @@
+import os
+
 import numpy as np
 import pytest
+
+
+def _interpret_triton_without_a_gpu() -> None:
+    """Kernels run under Triton's interpreter on machines without a GPU; the variable must be set before any kernel
+    is decorated, so it is set here, before test modules import."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
 
 from certrag.datasets import clustered_vectors
 
