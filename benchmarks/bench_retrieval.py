@@ -30,6 +30,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--latency-queries", type=int, default=200)
     p.add_argument("--throughput-docs", type=int, default=600, help="documents indexed uncached for throughput")
+    p.add_argument("--reuse-timing", action="store_true",
+                   help="keep the latency and throughput rows of the last written run (say so in the table) and "
+                        "measure only quality and selection: for runs on a machine busy with other work")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     _common.pin_threads(args.threads)
@@ -132,31 +135,44 @@ def main() -> None:
              "default_test_tokens": d_tok}
 
     # Latency of retrieve() at 1 and 16 concurrent callers.
-    questions = [it.question for it in load_nq_open(split="test")][: args.latency_queries]
-    latency = []
-    engine.retrieve(questions[0])
-    for callers in (1, 16):
-        latency.append({"what": "retrieve_latency", "chunks": len(engine),
-                        **_common.concurrent_latency(engine.retrieve, questions, callers)})
+    timing_note = ""
+    previous = _common.RESULTS_DIR / "bench_retrieval.json"
+    if args.reuse_timing and previous.exists():
+        import json
 
-    # Indexing throughput without a cache (the real cost), default SAGE chunker and the packing chunker.
-    import tempfile
+        old = json.loads(previous.read_text())
+        latency = [r for r in old["rows"] if r["what"] == "retrieve_latency"]
+        throughput = [r for r in old["rows"] if r["what"] == "indexing_throughput"]
+        timing_note = old["meta"].get("timing_from") or (
+            f" (kept from the run of {old['meta']['date']}, commit {old['meta']['commit']}: "
+            f"`{old['meta']['command']}`)")
+    else:
+        questions = [it.question for it in load_nq_open(split="test")][: args.latency_queries]
+        latency = []
+        engine.retrieve(questions[0])
+        for callers in (1, 16):
+            latency.append({"what": "retrieve_latency", "chunks": len(engine),
+                            **_common.concurrent_latency(engine.retrieve, questions, callers)})
 
-    plain = Embedder()
-    sample = corpus[:: max(1, len(corpus) // args.throughput_docs)][: args.throughput_docs]
-    mb = sum(len(d.text.encode()) for d in sample) / 1e6
-    throughput = []
-    for name, cfg in (("sage (default)", EngineConfig(retrieval=RetrievalConfig(rerank=False))),
-                      ("fixed_sentence 256", EngineConfig(chunker="fixed_sentence",
-                                                         retrieval=RetrievalConfig(rerank=False)))):
-        with tempfile.TemporaryDirectory() as tmp:
-            t = time.perf_counter()
-            with Engine.build(sample, Path(tmp) / "s", cfg, embedder=plain, progress=False) as e:
-                n_chunks = len(e)
-            dt = time.perf_counter() - t
-        throughput.append({"what": "indexing_throughput", "chunker": name, "documents": len(sample), "mb": mb,
-                           "chunks": n_chunks, "docs_per_s": len(sample) / dt, "chunks_per_s": n_chunks / dt,
-                           "mb_per_min": mb / dt * 60})
+        # Indexing throughput without a cache (the real cost), default SAGE chunker and the packing chunker.
+        import tempfile
+
+        plain = Embedder()
+        sample = corpus[:: max(1, len(corpus) // args.throughput_docs)][: args.throughput_docs]
+        mb = sum(len(d.text.encode()) for d in sample) / 1e6
+        throughput = []
+        for name, cfg in (("sage (default)", EngineConfig(retrieval=RetrievalConfig(rerank=False))),
+                          ("fixed_sentence 256", EngineConfig(chunker="fixed_sentence",
+                                                             retrieval=RetrievalConfig(rerank=False)))):
+            with tempfile.TemporaryDirectory() as tmp:
+                t = time.perf_counter()
+                with Engine.build(sample, Path(tmp) / "s", cfg, embedder=plain, progress=False) as e:
+                    n_chunks = len(e)
+                dt = time.perf_counter() - t
+            throughput.append({"what": "indexing_throughput", "chunker": name, "documents": len(sample), "mb": mb,
+                               "chunks": n_chunks, "docs_per_s": len(sample) / dt, "chunks_per_s": n_chunks / dt,
+                               "mb_per_min": mb / dt * 60})
+
 
     plot = None
     try:
@@ -183,7 +199,7 @@ def main() -> None:
 
     meta = _common.meta({"bench": "bench_retrieval", "corpus_documents": len(corpus), "chunks": len(engine),
                          "questions": len(items), "reranker": reranker.card.get("name"),
-                         "reranker_dense_weight": reranker.dense_weight})
+                         "reranker_dense_weight": reranker.dense_weight, "timing_from": timing_note})
     q_dense, q_rr = quality
     verdict_sel = (f"gradient selection ({best['method']}) reaches fixed top-5's gold recall "
                    f"({top5['gold_recall']:.3f}) with {best['context_tokens']:.0f} mean context tokens, "
@@ -214,11 +230,12 @@ def main() -> None:
         f"{'met' if tuned['test_tokens'] <= 0.6 * top5['context_tokens'] and tuned['test_recall'] >= top5['gold_recall'] - 1e-9 else 'NOT met'}). "
         f"The engine's default (SelectionConfig: g={default_sel.g}, min_k={default_sel.min_k}, max_k="
         f"{default_sel.max_k}) gives recall {d_rec:.3f} at {d_tok:.0f} tokens on test.",
-        "\nLatency of `retrieve` (embed + search + rerank of the candidates + select), the store above:\n",
+        f"\nLatency of `retrieve` (embed + search + rerank of the candidates + select), the store above"
+        f"{timing_note}:\n",
         _common.markdown_table(["callers", "chunks", "queries", "p50 ms", "p90 ms", "p99 ms", "throughput q/s"],
                                [[x["callers"], x["chunks"], x["queries"], x["p50_ms"], x["p90_ms"], x["p99_ms"],
                                  x["throughput_qps"]] for x in latency]),
-        "\nIndexing throughput with no embedding cache (segment + embed + index + atomic write):\n",
+        f"\nIndexing throughput with no embedding cache (segment + embed + index + atomic write){timing_note}:\n",
         _common.markdown_table(["chunker", "documents", "MB", "chunks", "docs/s", "chunks/s", "MB/min"],
                                [[x["chunker"], x["documents"], x["mb"], x["chunks"], x["docs_per_s"],
                                  x["chunks_per_s"], x["mb_per_min"]] for x in throughput]),
