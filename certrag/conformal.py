@@ -228,6 +228,7 @@ class Calibration:
     source_threshold: float
     created: str
     diagnostics: Diagnostics
+    chunks: int | None = None  # the store's size when calibrated: a store that changed since wants recalibrating
     format_version: int = FORMAT_VERSION
 
     @property
@@ -402,7 +403,7 @@ def calibrate(engine, data: object, *, alpha: float = 0.1, holdout: float = 0.3,
                          embedder=engine.embedder_name, reranker=engine.reranker_identity(), candidates=n_cand,
                          answer_threshold=answer_threshold, source_threshold=source_threshold,
                          created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                         diagnostics=diagnose(held, s_thres, alpha))
+                         diagnostics=diagnose(held, s_thres, alpha), chunks=len(engine))
     return record, cal, held
 
 

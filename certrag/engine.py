@@ -388,12 +388,15 @@ class Engine:
         cal.check_identity(self.embedder_name, self.reranker_identity())
         scores = calibrated_scores(retrieval.rerank_scores, retrieval.dense_scores, cal.score_transform)
         trusted = cal.trusted(scores)
+        stale = (f"; the store has changed since calibration ({cal.chunks:,} -> {len(self):,} chunks): recalibrate"
+                 if cal.chunks is not None and cal.chunks != len(self) else "")
         if cal.holds or force:
             return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=True,
-                                 reason="forced although the guarantee does not hold" if not cal.holds else "")
+                                 reason=(("forced although the guarantee does not hold" if not cal.holds else "")
+                                         + stale).lstrip("; "))
         return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=False,
                              reason="the guarantee does not hold for this retriever and data: "
-                                    + "; ".join(cal.diagnostics.reasons))
+                                    + "; ".join(cal.diagnostics.reasons) + stale)
 
     @property
     def llm(self):

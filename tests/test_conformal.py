@@ -303,3 +303,12 @@ def test_cli_calibrate_dry_run_and_refusals(tmp_path, wiki_engine):
     res = CliRunner().invoke(main, ["calibrate", str(path), "--data", str(data), "--alpha", "0.01", "--dry-run",
                                     "--holdout", "0.5"])
     assert res.exit_code != 0 and "needs at least 99 calibration items" in res.output
+
+
+def test_certification_says_when_the_store_changed_since_calibration(wiki_engine):
+    engine, _, docs, items = wiki_engine
+    engine.set_calibration(_record(embedder=engine.embedder_name, chunks=len(engine) + 5))
+    c = engine.certify(engine.retrieve(items[0]["question"]))
+    assert c.applied and "changed since calibration" in c.reason
+    engine.set_calibration(_record(embedder=engine.embedder_name, chunks=len(engine)))
+    assert engine.certify(engine.retrieve(items[0]["question"])).reason == ""
