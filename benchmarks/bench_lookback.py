@@ -45,7 +45,9 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def worker(mode: str, length: int, tokens: int, model_name: str, real: bool) -> dict:
+def worker(mode: str, length: int, tokens: int, model_name: str, real: bool, repeats: int = 1) -> dict:
+    """mode: plain, record or eager (one decode, for peak memory and time), or time (plain and record alternated
+    `repeats` times in this one process, for the time ratio)."""
     _common.pin_threads(1)
     import numpy as np
     import torch
@@ -68,37 +70,51 @@ def worker(mode: str, length: int, tokens: int, model_name: str, real: bool) -> 
     chunks = [(16 + i * (length - 64) // 8, 16 + (i + 1) * (length - 64) // 8) for i in range(8)]
     kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, temperature=None, top_p=None,
               top_k=None, pad_token_id=0, logits_processor=LogitsProcessorList([Stamp()]))
-    with torch.inference_mode():
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    def inputs():
         if real:  # a real prompt, prefilled by generate itself (the Lookback Lens comparison)
             from certrag.eval.corpus import retrieval_corpus
 
             text = " ".join(d.text for d in retrieval_corpus()[:400])
-            ids = torch.tensor([llm.tokenizer(text, add_special_tokens=False)["input_ids"][:length]])
-            extra = {}
-        else:
-            hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            g = torch.Generator().manual_seed(0)
-            cache = DynamicCache(config=cfg)
-            for layer in range(cfg.num_hidden_layers):
-                cache.update(torch.randn(1, cfg.num_key_value_heads, length - 1, hd, generator=g),
-                             torch.randn(1, cfg.num_key_value_heads, length - 1, hd, generator=g), layer)
-            ids = torch.randint(1000, 20000, (1, length), generator=g)
-            extra = {"cache": cache}
-        before = _rss_mb()
-        if mode == "eager":
-            model.set_attn_implementation("eager")
-            model.generate(ids, attention_mask=torch.ones_like(ids), output_attentions=True,
-                                 return_dict_in_generate=True, **kw, **extra)
-        elif mode == "record":
-            with recording(model, ids.shape[1], chunks) as rec:
+            return torch.tensor([llm.tokenizer(text, add_special_tokens=False)["input_ids"][:length]]), {}
+        g = torch.Generator().manual_seed(0)
+        cache = DynamicCache(config=cfg)
+        for layer in range(cfg.num_hidden_layers):
+            cache.update(torch.randn(1, cfg.num_key_value_heads, length - 1, hd, generator=g),
+                         torch.randn(1, cfg.num_key_value_heads, length - 1, hd, generator=g), layer)
+        return torch.randint(1000, 20000, (1, length), generator=g), {"cache": cache}
+
+    def decode(how: str) -> list[float]:
+        stamps.clear()
+        ids, extra = inputs()
+        with torch.inference_mode():
+            if how == "eager":
+                model.set_attn_implementation("eager")
+                model.generate(ids, attention_mask=torch.ones_like(ids), output_attentions=True,
+                               return_dict_in_generate=True, **kw, **extra)
+            elif how == "record":
+                with recording(model, ids.shape[1], chunks) as rec:
+                    model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
+                assert len(rec.finish().chunk_spans) == 8 and len(rec.masses) >= tokens - 1
+            else:
                 model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
-            assert len(rec.finish().chunk_spans) == 8 and len(rec.masses) >= tokens - 1
-        else:
-            model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
-    gaps = np.diff(stamps)
-    return {"mode": mode, "length": length, "real_prompt": real, "tokens": len(stamps),
-            "ms_per_token": float(np.median(gaps) * 1e3), "mean_ms_per_token": float(np.mean(gaps) * 1e3),
-            "peak_rss_mb": _peak_mb(), "rss_before_decode_mb": before,
+        return list(np.diff(stamps))
+
+    if mode == "time":
+        gaps = {"plain": [], "record": []}
+        decode("plain")  # warm-up
+        for rep in range(repeats):
+            for how in (("plain", "record") if rep % 2 == 0 else ("record", "plain")):
+                gaps[how].append(float(np.median(decode(how))))
+        return {"mode": "time", "length": length, "tokens": tokens, "repeats": repeats,
+                "plain_ms_per_token": float(np.median(gaps["plain"]) * 1e3),
+                "record_ms_per_token": float(np.median(gaps["record"]) * 1e3),
+                "plain_runs_ms": [g * 1e3 for g in gaps["plain"]], "record_runs_ms": [g * 1e3 for g in gaps["record"]]}
+    before = _rss_mb()
+    gaps = decode(mode)
+    return {"mode": mode, "length": length, "real_prompt": real, "tokens": len(gaps) + 1,
+            "ms_per_token": float(np.median(gaps) * 1e3), "peak_rss_mb": _peak_mb(), "rss_before_decode_mb": before,
             "growth_mb": _peak_mb() - before}
 
 
@@ -111,21 +127,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,4096,16384")
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2, help="decodes per mode in the alternating timing process")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         mode, length, real = args.worker
-        print(json.dumps(worker(mode, int(length), args.tokens, args.model, real == "real")))
+        print(json.dumps(worker(mode, int(length), args.tokens, args.model, real == "real", args.repeats)))
         return
 
-    import numpy as np
 
-    def run(mode, length, real=False):
+    def run(mode, length, real=False, tokens=args.tokens):
         out = subprocess.run([sys.executable, __file__, "--worker", mode, str(length), "real" if real else "cache",
-                              "--tokens", str(args.tokens), "--model", args.model], capture_output=True, text=True)
+                              "--tokens", str(tokens), "--model", args.model, "--repeats", str(args.repeats)],
+                             capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"worker {mode} {length} failed:\n{out.stderr[-3000:]}")
         row = json.loads(out.stdout.strip().splitlines()[-1])
@@ -135,9 +151,9 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
     for length in lengths:
-        for rep in range(args.repeats):
-            for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
-                rows.append(run(mode, length))
+        rows.append(run("time", length))
+        for mode in MODES:  # peak memory, each mode alone in its process (32 tokens suffice)
+            rows.append(run(mode, length, tokens=32))
     from transformers import AutoConfig
 
     from certrag.llm.models import converted_model_dir
@@ -145,15 +161,16 @@ def main() -> None:
     cfg = AutoConfig.from_pretrained(str(converted_model_dir(args.model)), local_files_only=True)
     lens_rows = [run("plain", 1024, real=True), run("eager", 1024, real=True)]
 
-    def med(mode, length, key):
-        return float(np.median([r[key] for r in rows if r["mode"] == mode and r["length"] == length]))
+    def mem(mode, length, key):
+        return next(r[key] for r in rows if r["mode"] == mode and r["length"] == length)
 
     table = []
     for length in lengths:
-        t_plain, t_rec = med("plain", length, "ms_per_token"), med("record", length, "ms_per_token")
-        table.append([length, t_plain, t_rec, t_rec / t_plain, med("plain", length, "peak_rss_mb"),
-                      med("record", length, "peak_rss_mb"), med("plain", length, "growth_mb"),
-                      med("record", length, "growth_mb")])
+        t = next(r for r in rows if r["mode"] == "time" and r["length"] == length)
+        table.append([length, t["plain_ms_per_token"], t["record_ms_per_token"],
+                      t["record_ms_per_token"] / t["plain_ms_per_token"], mem("plain", length, "peak_rss_mb"),
+                      mem("record", length, "peak_rss_mb"), mem("plain", length, "growth_mb"),
+                      mem("record", length, "growth_mb")])
     worst = max(r[3] for r in table)
     lp, le = lens_rows
     meta = _common.meta({"bench": "bench_lookback", "model": args.model, "tokens": args.tokens,
@@ -165,7 +182,9 @@ def main() -> None:
         f"its peak memory is within {max(abs(r[5] - r[4]) for r in table):.0f} MB of plain generation's.\n",
         f"{args.model}, float32, one torch thread, {args.tokens} tokens decoded greedily after a KV cache filled to "
         f"the context length; recording = span masses for the prompt, the generated tokens and 8 chunks, every "
-        f"layer and head, every step. Medians of {args.repeats} interleaved runs, each in its own process.\n",
+        f"layer and head, every step. Time: the median step gap of each decode, median over {args.repeats} decodes "
+        f"per mode, plain and record alternated in one process per length; memory: each mode alone in its own "
+        f"process (32 tokens).\n",
         _common.markdown_table(["context", "plain ms/token", "record ms/token", "record / plain",
                                 "plain peak RSS MB", "record peak RSS MB", "plain growth MB", "record growth MB"],
                                table),
