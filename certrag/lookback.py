@@ -115,25 +115,31 @@ class Recording:
         self._starts = torch.tensor([0, prompt_len] + [a for a, _ in chunk_spans], dtype=torch.long)
         self._ends_fixed = torch.tensor([prompt_len, 0] + [b for _, b in chunk_spans], dtype=torch.long)
         self._step: dict[int, object] = {}
+        self._spans_at = (-1, None)
         self.masses: list[np.ndarray] = []
         self.kv_lengths: list[int] = []
 
     def spans(self, kv_len: int):
-        ends = self._ends_fixed.clone()
-        ends[1] = kv_len
-        return self._starts, ends
+        """(starts, ends) at a cache length; built once per decode step, shared by its layers."""
+        if self._spans_at[0] != kv_len:
+            ends = self._ends_fixed.clone()
+            ends[1] = kv_len
+            self._spans_at = (kv_len, (self._starts, ends))
+        return self._spans_at[1]
 
     def add(self, layer: int, mass) -> None:
         if layer in self._step:  # a layer seen twice: the previous step is complete
             self._flush()
-        self._step[layer] = mass[0].detach().float().cpu().numpy()  # batch 1
+        self._step[layer] = mass[0].detach()  # batch 1; to numpy once per step
         if len(self._step) == self.num_layers:
             self._flush()
 
     def _flush(self) -> None:
         if self._step:
+            import torch
+
             layers = sorted(self._step)
-            self.masses.append(np.stack([self._step[i] for i in layers]))
+            self.masses.append(torch.stack([self._step[i] for i in layers]).float().cpu().numpy())
             self.kv_lengths.append(self.prompt_len + len(self.masses))
             self._step = {}
 
