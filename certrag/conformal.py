@@ -422,7 +422,12 @@ def coverage_sweep(cal: ScoredItems, held: ScoredItems, alphas: Sequence[float])
 
 
 def plot_sweep(rows: list[dict], path: str | Path, title: str = "") -> Path:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("the calibration plot needs matplotlib: pip install matplotlib") from None
+    if not rows:
+        raise ValueError("no sweep points to plot: the calibration set is too small for every alpha of the sweep")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
