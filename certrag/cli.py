@@ -308,7 +308,10 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
             raise click.ClickException(str(exc)) from None
     if plot is not None:
         alphas = [a for a in (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)]
-        plot_sweep(coverage_sweep(cal, held, alphas), plot, title=f"{store.name}: held-out coverage")
+        try:
+            plot_sweep(coverage_sweep(cal, held, alphas), plot, title=f"{store.name}: held-out coverage")
+        except (RuntimeError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(record.to_dict(), indent=2))
         return
