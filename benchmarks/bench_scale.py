@@ -46,15 +46,16 @@ def small_chunk_config():
                         index=IndexConfig(ef_search=64), retrieval=RetrievalConfig(candidates=20))
 
 
-def index_throughput(corpus, embedder) -> list[dict]:
+def index_throughput(corpus, embedder, chunkers=("sage", "fixed_sentence")) -> list[dict]:
     from certrag.config import EngineConfig, RetrievalConfig
     from certrag.engine import Engine
 
     mb = sum(len(d.text.encode()) for d in corpus) / 1e6
     rows = []
-    for name, cfg in (("sage (default)", EngineConfig(retrieval=RetrievalConfig(rerank=False))),
-                      ("fixed_sentence 256", EngineConfig(chunker="fixed_sentence",
-                                                         retrieval=RetrievalConfig(rerank=False)))):
+    configs = {"sage": ("sage (default)", EngineConfig(retrieval=RetrievalConfig(rerank=False))),
+               "fixed_sentence": ("fixed_sentence 256", EngineConfig(chunker="fixed_sentence",
+                                                                     retrieval=RetrievalConfig(rerank=False)))}
+    for name, cfg in (configs[c] for c in chunkers):
         with tempfile.TemporaryDirectory(dir=_common.DATA_DIR) as tmp:
             t = time.perf_counter()
             with Engine.build(corpus, Path(tmp) / "s", cfg, embedder=embedder, progress=True) as e:
@@ -109,6 +110,7 @@ def main() -> None:
                    help="indexing: SAGE and sentence packing over the whole corpus; latency: build the 100k-chunk "
                         "store (timed too) and measure retrieve")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--chunkers", default="sage,fixed_sentence", help="the indexing part's chunkers")
     p.add_argument("--latency-queries", type=int, default=200)
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
@@ -123,7 +125,7 @@ def main() -> None:
     partial = json.loads(PARTIAL.read_text()) if PARTIAL.exists() else {}
     embedder = Embedder()  # no cache: the real cost of embedding
     if args.part in ("all", "indexing"):
-        partial["indexing"] = index_throughput(corpus, embedder)
+        partial["indexing"] = index_throughput(corpus, embedder, tuple(args.chunkers.split(",")))
         PARTIAL.write_text(json.dumps(partial))
     if args.part in ("all", "latency"):
         questions = [it.question for it in load_nq_open(split="test")][: args.latency_queries]
@@ -148,7 +150,9 @@ def main() -> None:
         f"leads); {args.threads} torch thread(s).\n",
         "Indexing throughput with no embedding cache (segment + embed + index + atomic write)"
         + ("" if "indexing" in partial else "; the SAGE row of this corpus was not run here (`--part indexing`: "
-           "bench_retrieval.py measures SAGE on a sample)") + ":\n",
+           "bench_retrieval.py measures SAGE on a sample)")
+        + (" (rows run with different thread counts: the latency store's build with one thread)"
+           if "indexing" in partial and "latency_store_build" in partial else "") + ":\n",
         _common.markdown_table(["chunker", "documents", "MB", "chunks", "seconds", "docs/s", "chunks/s", "MB/min"],
                                [[x["chunker"], x["documents"], x["mb"], x["chunks"], x["seconds"], x["docs_per_s"],
                                  x["chunks_per_s"], x["mb_per_min"]] for x in indexing]),
