@@ -19,7 +19,6 @@ fraction of candidates trusted) and the empirical coverage on held-out items bes
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -302,9 +301,9 @@ class Certification:
 # ------------------------------------------------------------------------------------------------ calibrating
 
 def stable_holdout(question: str, fraction: float) -> bool:
-    key = " ".join(question.strip().lower().split())
-    x = int.from_bytes(hashlib.sha256(("holdout:" + key).encode()).digest()[:8], "big") / 2**64
-    return x < fraction
+    from certrag.segment.train import stable_fraction
+
+    return stable_fraction("holdout:" + " ".join(question.strip().lower().split())) < fraction
 
 
 @dataclass

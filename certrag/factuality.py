@@ -121,16 +121,12 @@ def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, hea
 
 # ---------------------------------------------------------------------------------------- training examples
 
-def _stable(key: str) -> float:
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
-
-
 def nq_passage_sets(items, k: int = 3, seed: int = 0) -> list[tuple[list[str], bool]]:
     """For each NQ-open item: k passages (gold included for half of the items, by a stable hash) and whether the
     gold is among them. Distractors: the other NQ gold passages nearest the question under MiniLM."""
     from certrag.embed import Embedder, EmbeddingCache
     from certrag.eval.nq import load_nq_open
-    from certrag.segment.train import cache_dir
+    from certrag.segment.train import cache_dir, stable_fraction as _stable
 
     pool = sorted({it.gold_text for it in load_nq_open()})
     embedder = Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
