@@ -65,17 +65,18 @@ def _lookback_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     L = key.shape[2]
-    starts, ends = rec.spans(L)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[:, :, 0, :]
     if query.is_cuda and attention_mask is None and rec.use_kernel:
         from certrag.kernels.lookback import lookback_attention
 
-        out, mass = lookback_attention(q, key, value, starts.to(query.device), ends.to(query.device), scale)
+        starts, ends = rec.spans(L, query.device)  # valid by construction (Recording checks the chunk spans):
+        out, mass = lookback_attention(q, key, value, starts, ends, scale, check_spans=False)  # no device sync
         rec.add(module.layer_idx, mass)
         return out[:, None, :, :].to(query.dtype), None  # (B, 1, Hq, D): transformers' (batch, q_len, heads, dim)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  **kwargs)
+    starts, ends = rec.spans(L, None if not query.is_cuda else query.device)
     rec.add(module.layer_idx, span_masses(q, key, starts, ends, scale, attention_mask))
     return out
 
@@ -119,12 +120,19 @@ class Recording:
         self.masses: list[np.ndarray] = []
         self.kv_lengths: list[int] = []
 
-    def spans(self, kv_len: int):
-        """(starts, ends) at a cache length; built once per decode step, shared by its layers."""
-        if self._spans_at[0] != kv_len:
+    def spans(self, kv_len: int, device=None):
+        """(starts, ends) at a cache length, on a device (default: the CPU); built once per decode step, shared by
+        its layers."""
+        if self._spans_at[0] != (kv_len, device):
+            import torch
+
             ends = self._ends_fixed.clone()
             ends[1] = kv_len
-            self._spans_at = (kv_len, (self._starts, ends))
+            starts = self._starts
+            if device is not None:
+                starts = starts.to(device, torch.int32)
+                ends = ends.to(device, torch.int32)
+            self._spans_at = ((kv_len, device), (starts, ends))
         return self._spans_at[1]
 
     def add(self, layer: int, mass) -> None:

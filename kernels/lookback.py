@@ -86,7 +86,7 @@ def _lookback_split_kernel(
     tl.store(span_ptr + row * BLOCK_S + s_idx, span_acc)
 
 
-def _check(q, k, v, span_starts, span_ends):
+def _check(q, k, v, span_starts, span_ends, check_spans: bool = True):
     if q.dim() != 3:
         raise ValueError(f"q must have shape (batch, query_heads, head_dim); got {tuple(q.shape)}")
     if k.dim() != 4 or v.shape != k.shape:
@@ -99,17 +99,17 @@ def _check(q, k, v, span_starts, span_ends):
         raise ValueError(f"query heads ({HQ}) must be a multiple of kv heads ({k.shape[1]})")
     if k.shape[2] < 1:
         raise ValueError("the KV cache must hold at least one position")
-    starts = torch.as_tensor(span_starts, device=q.device)
-    ends = torch.as_tensor(span_ends, device=q.device)
+    # Spans are checked where they are (lists and CPU tensors: no device sync), then moved to q's device.
+    starts, ends = torch.as_tensor(span_starts), torch.as_tensor(span_ends)
     if starts.shape != ends.shape or starts.dim() not in (1, 2) or (starts.dim() == 2 and starts.shape[0] != B):
         raise ValueError(f"span_starts and span_ends must both have shape (S,) or ({B}, S); got "
                          f"{tuple(starts.shape)} and {tuple(ends.shape)}")
-    if starts.numel() and (bool((starts < 0).any()) or bool((ends < starts).any())
-                           or bool((ends > k.shape[2]).any())):
+    if check_spans and starts.numel() and (bool((starts < 0).any()) or bool((ends < starts).any())
+                                           or bool((ends > k.shape[2]).any())):
         raise ValueError(f"spans must satisfy 0 <= start <= end <= {k.shape[2]}")
     if starts.dim() == 1:
         starts, ends = starts.expand(B, -1), ends.expand(B, -1)
-    return starts.to(torch.int32), ends.to(torch.int32)
+    return (starts.to(q.device, torch.int32, non_blocking=True), ends.to(q.device, torch.int32, non_blocking=True))
 
 
 def lookback_reference(q, k, v, span_starts, span_ends, scale: float | None = None):
@@ -129,10 +129,11 @@ def lookback_reference(q, k, v, span_starts, span_ends, scale: float | None = No
 
 
 def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = None, *, num_splits: int | None = None,
-                       block_n: int = 64):
+                       block_n: int = 64, check_spans: bool = True):
     """The fused kernel (see the module docstring). num_splits: KV-length splits (default: enough programs to fill
-    the GPU, each split at least 4 blocks long)."""
-    starts, ends = _check(q, k, v, span_starts, span_ends)
+    the GPU, each split at least 4 blocks long). check_spans=False skips the bounds check of the span values (a
+    device sync when they are on the GPU) for callers that build valid spans themselves."""
+    starts, ends = _check(q, k, v, span_starts, span_ends, check_spans)
     B, HQ, D = q.shape
     L, S = k.shape[2], starts.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale

@@ -28,6 +28,27 @@ def _generate(model, ids, n, **kw):
                               min_new_tokens=n, pad_token_id=0, **kw)
 
 
+def _eager_oracle(model, prompt, n, P, chunks):
+    """The oracle: eager attention with output_attentions, one full weight row per decode step -> span masses
+    (steps, layers, heads, 2 + chunks) in float64, and the generated sequence."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = _generate(model, prompt, n, output_attentions=True, return_dict_in_generate=True)
+    finally:
+        model.set_attn_implementation(previous)
+    oracle = []
+    for step in range(1, n):  # step 0 is the prefill
+        per_layer = []
+        for att in out.attentions[step]:
+            w = att[0, :, -1, :].double().cpu().numpy()  # (heads, L)
+            L = w.shape[-1]
+            spans = [(0, P), (P, L)] + chunks
+            per_layer.append(np.stack([w[:, a:b].sum(-1) for a, b in spans], -1))
+        oracle.append(np.stack(per_layer))
+    return np.stack(oracle), out
+
+
 def test_recording_keeps_tokens_and_matches_output_attentions(tiny):
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 97, (1, 41), generator=g)
@@ -42,23 +63,8 @@ def test_recording_keeps_tokens_and_matches_output_attentions(tiny):
     masses = np.stack(rec.masses)  # (steps, layers, heads, 2 + chunks)
     assert masses.shape == (n - 1, 3, 8, 5)
 
-    # The oracle: eager attention with output_attentions, one full weight row per decode step.
-    tiny.set_attn_implementation("eager")
-    try:
-        out = _generate(tiny, prompt, n, output_attentions=True, return_dict_in_generate=True)
-    finally:
-        tiny.set_attn_implementation("sdpa")
+    oracle, out = _eager_oracle(tiny, prompt, n, P, chunks)
     assert torch.equal(out.sequences, plain)
-    oracle = []
-    for step in range(1, n):  # step 0 is the prefill
-        per_layer = []
-        for att in out.attentions[step]:
-            w = att[0, :, -1, :].double().numpy()  # (heads, L)
-            L = w.shape[-1]
-            spans = [(0, P), (P, L)] + chunks
-            per_layer.append(np.stack([w[:, a:b].sum(-1) for a, b in spans], -1))
-        oracle.append(np.stack(per_layer))
-    oracle = np.stack(oracle)
     np.testing.assert_allclose(masses, oracle, atol=1e-5, rtol=1e-4)
     mine, theirs = ratios_from_masses(masses, P, chunks), ratios_from_masses(oracle, P, chunks)
     for key in ("full", "chunks"):
@@ -67,6 +73,30 @@ def test_recording_keeps_tokens_and_matches_output_attentions(tiny):
     w = out.attentions[1][0][0, :, -1, :].double().numpy()
     direct = w[:, :P].mean(-1) / (w[:, :P].mean(-1) + w[:, P:].mean(-1))
     np.testing.assert_allclose(mine["full"][0, 0], direct, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the fused Triton kernel path")
+def test_recording_on_cuda_uses_the_fused_kernel(tiny, monkeypatch):
+    import copy
+
+    import certrag.kernels.lookback as kernel
+
+    calls = []
+    fused = kernel.lookback_attention
+    monkeypatch.setattr(kernel, "lookback_attention", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    model = copy.deepcopy(tiny).cuda()
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, 97, (1, 300), generator=g).cuda()
+    P, chunks, n = 300, [(10, 90), (90, 250), (260, 260)], 12
+    plain = _generate(model, prompt, n)
+    with recording(model, P, chunks) as rec:
+        recorded = _generate(model, prompt, n)
+    assert len(calls) == (n - 1) * model.config.num_hidden_layers  # every decode call of every layer
+    assert torch.equal(plain, recorded)
+    masses = np.stack(rec.masses)
+    oracle, out = _eager_oracle(model, prompt, n, P, chunks)
+    assert torch.equal(out.sequences, plain)
+    np.testing.assert_allclose(masses, oracle, atol=1e-5, rtol=1e-4)
 
 
 def test_ratios_hand_computed():

@@ -1,0 +1,297 @@
+"""The fused lookback kernel on a GPU: against torch SDPA decode attention and against the eager way.
+
+Two parts, both on one CUDA device, bfloat16:
+
+1. One decode-attention call (one query row per head over a KV cache), for the head layouts of the bundled
+   Qwen2.5-0.5B (14 query heads, 2 KV heads, head dim 64) and of an 8B model (32 / 8 / 128), batch 1 and 8, KV
+   lengths 1k to 64k, 10 spans:
+     sdpa:    torch.nn.functional.scaled_dot_product_attention, output only (what plain decoding pays);
+     kernel:  certrag.kernels.lookback_attention, output and span masses in one pass over K and V;
+     two-pass: SDPA's output, then the span masses from a second read of K (certrag's CPU way, here on the GPU);
+     eager:   the weights materialised (q.K^T, softmax, weights.V) and summed per span (the Lookback Lens way).
+   Time: triton.testing.do_bench (CUDA events, median); the bandwidth column counts K and V read once. Each shape
+   is also checked against the float32 reference (lookback_reference).
+2. Generation: a Qwen2 model with the 0.5B's configuration and random weights (the bundled weights stay on the CPU
+   machine; decoding costs the same whatever the weights), bfloat16, 128 tokens decoded greedily after a prompt of
+   1k, 4k and 16k tokens: plain (SDPA), recording with the kernel, recording two-pass, and the eager way (eager
+   attention with output_attentions, which keeps every layer's prefill attention). Time per decoded token (median
+   step gap), peak GPU memory (torch.cuda.max_memory_allocated), and whether the tokens equal plain generation's.
+
+Run on the device machine (writes JSON), then render here:
+    python benchmarks/bench_lookback_gpu.py --out results.json       # on the GPU machine
+    python benchmarks/bench_lookback_gpu.py --report results.json    # writes RESULTS.md's section
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+LAYOUTS = {"qwen2.5-0.5b": (14, 2, 64), "llama-8b": (32, 8, 128)}
+
+
+def _timer(dev: str):
+    """Median microseconds of a call: CUDA events (triton's do_bench) on a GPU; wall clock for the CPU smoke run."""
+    if dev == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
+    return lambda fn: _common.median_time(fn, repeats=3) * 1e6
+
+
+def _sync(dev: str) -> None:
+    import torch
+
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def attention_part(lengths, batches, spans: int, dev: str) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from certrag.kernels.lookback import lookback_attention, lookback_reference
+    from certrag.lookback import span_masses
+
+    rows, timer = [], _timer(dev)
+    for layout, (hq, hkv, d) in LAYOUTS.items():
+        for B in batches:
+            for L in lengths:
+                g = torch.Generator(device=dev).manual_seed(L + B)
+                q = torch.randn(B, hq, d, device=dev, generator=g, dtype=torch.bfloat16)
+                k = torch.randn(B, hkv, L, d, device=dev, generator=g, dtype=torch.bfloat16)
+                v = torch.randn(B, hkv, L, d, device=dev, generator=g, dtype=torch.bfloat16)
+                bounds = torch.linspace(0, L, spans + 1, device=dev).long()
+                starts, ends = bounds[:-1].contiguous(), bounds[1:].contiguous()
+                scale = d ** -0.5
+                member = ((torch.arange(L, device=dev)[None, :] >= starts[:, None])
+                          & (torch.arange(L, device=dev)[None, :] < ends[:, None])).to(torch.bfloat16)
+
+                def sdpa():
+                    return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
+
+                def kernel():
+                    return lookback_attention(q, k, v, starts, ends, scale, check_spans=False)
+
+                def two_pass():
+                    return sdpa(), span_masses(q, k, starts, ends, scale)
+
+                def eager():
+                    kk = k.repeat_interleave(hq // hkv, dim=1)
+                    vv = v.repeat_interleave(hq // hkv, dim=1)
+                    w = torch.softmax(torch.einsum("bhd,bhld->bhl", q, kk).float() * scale, -1)
+                    out = torch.einsum("bhl,bhld->bhd", w.to(v.dtype), vv)
+                    return out, torch.einsum("bhl,sl->bhs", w, member.float())
+
+                out, mass = kernel()
+                ref_out, ref_mass = lookback_reference(q, k, v, starts, ends, scale)
+                row = {"part": "attention", "layout": layout, "heads": [hq, hkv, d], "batch": B, "length": L,
+                       "spans": spans, "max_err_out": float((out.float() - ref_out.float()).abs().max()),
+                       "max_err_mass": float((mass - ref_mass).abs().max())}
+                _sync(dev)
+                for name, fn in (("sdpa", sdpa), ("kernel", kernel), ("two_pass", two_pass), ("eager", eager)):
+                    row[f"{name}_us"] = timer(fn)
+                kv_bytes = 2 * k.numel() * k.element_size()
+                row["kernel_gbps"] = kv_bytes / (row["kernel_us"] * 1e-6) / 1e9
+                row["sdpa_gbps"] = kv_bytes / (row["sdpa_us"] * 1e-6) / 1e9
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = False, on_row=None) -> list[dict]:
+    import numpy as np
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+
+    from certrag.lookback import recording
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1000000.0, tie_word_embeddings=True)
+    if small:  # the CPU smoke run: the same code path on a few layers
+        config.num_hidden_layers, config.vocab_size = 2, 1000
+    with torch.device(dev):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    model.set_attn_implementation("sdpa")
+    stamps = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            _sync(dev)
+            stamps.append(time.perf_counter())
+            return scores
+
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, temperature=None, top_p=None,
+              top_k=None, pad_token_id=0, logits_processor=LogitsProcessorList([Stamp()]))
+    rows = []
+    for L in lengths:
+        ids = torch.randint(1, config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(dev)
+        chunks = [(16 + i * (L - 64) // 8, 16 + (i + 1) * (L - 64) // 8) for i in range(8)]
+
+        def decode(how):
+            stamps.clear()
+            if dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            with torch.inference_mode():
+                if how == "eager":
+                    model.set_attn_implementation("eager")
+                    try:
+                        seq = model.generate(ids, attention_mask=torch.ones_like(ids), output_attentions=True,
+                                             return_dict_in_generate=True, **kw).sequences
+                    finally:
+                        model.set_attn_implementation("sdpa")
+                elif how.startswith("record"):
+                    with recording(model, L, chunks, use_kernel=how == "record_kernel") as rec:
+                        seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+                    assert len(rec.masses) == tokens - 1
+                else:
+                    seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else 0.0
+            return float(np.median(np.diff(stamps))) * 1e3, peak, seq[0, L:].tolist()
+
+        decode("plain")  # warm-up: kernels compiled, allocator primed
+        decode("record_kernel")
+        runs = {m: [] for m in ("plain", "record_kernel", "record_two_pass")}
+        peak, seqs = {}, {}
+        for rep in range(repeats):
+            order = list(runs) if rep % 2 == 0 else list(reversed(runs))
+            for how in order:
+                ms, mb, seq = decode(how)
+                runs[how].append(ms)
+                peak[how] = mb
+                seqs[how] = seq
+        row = {"part": "generation", "length": L, "tokens": tokens, "repeats": repeats,
+               **{f"{m}_ms_per_token": float(np.median(v)) for m, v in runs.items()},
+               **{f"{m}_runs_ms": v for m, v in runs.items()},
+               **{f"{m}_peak_mb": peak[m] for m in runs},
+               "record_kernel_same_tokens": seqs["record_kernel"] == seqs["plain"],
+               "record_kernel_first_difference": next((i for i, (a, b) in enumerate(
+                   zip(seqs["record_kernel"], seqs["plain"])) if a != b), None),
+               "record_two_pass_same_tokens": seqs["record_two_pass"] == seqs["plain"]}
+        try:
+            ms, mb, seq = decode("eager")
+            row.update(eager_ms_per_token=ms, eager_peak_mb=mb, eager_same_tokens=seq == seqs["plain"])
+        except torch.OutOfMemoryError:
+            need = config.num_hidden_layers * config.num_attention_heads * L * L * 2 / 2**30
+            row.update(eager_ms_per_token=None, eager_peak_mb=None,
+                       eager_note=f"out of memory (its prefill attention alone is {need:.0f} GiB in bf16)")
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        if on_row:
+            on_row(row)
+    return rows
+
+
+def measure(args) -> None:
+    import torch
+    import triton
+    import transformers
+
+    dev = "cpu" if args.cpu_smoke else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_lookback_gpu measures on a CUDA device; none is visible (--cpu-smoke checks the "
+                         "script on the CPU under TRITON_INTERPRET=1, timings meaningless)")
+    props = torch.cuda.get_device_properties(0) if dev == "cuda" else None
+    meta = _common.meta({"bench": "bench_lookback_gpu", "gpu": props.name if props else "cpu (smoke run)",
+                         "sms": props.multi_processor_count if props else 0,
+                         "torch": torch.__version__, "triton": triton.__version__,
+                         "transformers": transformers.__version__})
+    if args.commit:
+        meta["commit"] = args.commit
+    rows = attention_part([int(x) for x in args.lengths.split(",")], [int(x) for x in args.batches.split(",")],
+                          args.spans, dev)
+
+    def save(row=None):  # after each part and each generation row, so a run cut short still reports
+        if row is not None:
+            rows.append(row)
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+    save()
+    generation_part([int(x) for x in args.gen_lengths.split(",")], args.tokens, args.repeats, dev,
+                    small=args.cpu_smoke, on_row=save)
+
+
+def report(path: str, write: bool) -> None:
+    data = json.loads(Path(path).read_text())
+    meta, rows = data["meta"], data["rows"]
+    att = [r for r in rows if r["part"] == "attention"]
+    gen = [r for r in rows if r["part"] == "generation"]
+    att_table = [[r["layout"], r["batch"], r["length"], r["sdpa_us"], r["kernel_us"], r["two_pass_us"],
+                  r["eager_us"], r["kernel_us"] / r["sdpa_us"], r["eager_us"] / r["kernel_us"], r["kernel_gbps"],
+                  max(r["max_err_out"], r["max_err_mass"])] for r in att]
+    gen_table = []
+    for r in gen:
+        eager = r.get("eager_ms_per_token")
+        gen_table.append([r["length"], r["plain_ms_per_token"], r["record_kernel_ms_per_token"],
+                          r["record_kernel_ms_per_token"] / r["plain_ms_per_token"],
+                          r["record_two_pass_ms_per_token"] / r["plain_ms_per_token"],
+                          "n/a" if eager is None else eager / r["plain_ms_per_token"],
+                          r["plain_peak_mb"], r["record_kernel_peak_mb"],
+                          r.get("eager_note", "n/a") if eager is None else r["eager_peak_mb"],
+                          "yes" if r["record_kernel_same_tokens"] else
+                          f"no (from token {r['record_kernel_first_difference']})"])
+    worst_att = max(r[7] for r in att_table)
+    longest = max(r["length"] for r in att)
+    long = [r for r in att if r["length"] == longest]
+    text = "\n".join([
+        "### The lookback kernel on a GPU (bench_lookback_gpu.py)\n",
+        f"**Verdict:** on the {meta['gpu']} the fused kernel (output + span masses in one pass) costs "
+        f"{min(r[7] for r in att_table):.2f}x to {worst_att:.2f}x torch SDPA's decode attention per call, and "
+        f"the eager way takes {min(r['eager_us'] / r['kernel_us'] for r in long):.1f}x to "
+        f"{max(r['eager_us'] / r['kernel_us'] for r in long):.1f}x the kernel's time at {longest:,} positions; in "
+        f"generation, recording with it costs "
+        f"{min(r[3] for r in gen_table):.2f}x to {max(r[3] for r in gen_table):.2f}x plain decoding per token.\n",
+        f"{meta['gpu']} ({meta['sms']} SMs), torch {meta['torch']}, triton {meta['triton']}, transformers "
+        f"{meta['transformers']}; bfloat16. One decode-attention call, 10 spans, do_bench medians in microseconds; "
+        "bandwidth counts K and V read once; error = max |kernel - float32 reference| over output and masses:\n",
+        _common.markdown_table(["heads", "batch", "KV length", "sdpa µs", "kernel µs", "two-pass µs", "eager µs",
+                                "kernel / sdpa", "eager / kernel", "kernel GB/s", "max error"], att_table),
+        "\nGeneration: Qwen2 with the 0.5B's configuration and random weights, bfloat16, 128 tokens greedily after "
+        f"the prompt; median step gap over {gen[0]['repeats'] if gen else 0} decodes per mode (modes alternated); "
+        "peak = torch.cuda.max_memory_allocated during the generate call (prefill included):\n",
+        _common.markdown_table(["prompt", "plain ms/token", "record ms/token", "record / plain",
+                                "two-pass / plain", "eager / plain", "plain peak MB", "record peak MB",
+                                "eager peak MB", "same tokens as plain"], gen_table),
+        _common.footer(meta)])
+    print(text)
+    if write:
+        _common.update_results_md("bench_lookback_gpu", text)
+        _common.write_rows("bench_lookback_gpu", rows, meta)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="measure on this machine's GPU and write the rows to this JSON file")
+    p.add_argument("--report", help="render a JSON file written by --out into RESULTS.md")
+    p.add_argument("--no-write", action="store_true", help="with --report: print only")
+    p.add_argument("--lengths", default="1024,4096,16384,65536")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--spans", type=int, default=10)
+    p.add_argument("--gen-lengths", default="1024,4096,16384")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--commit", help="the commit measured (the device machine's copy has no git history)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="run the script's code paths on the CPU with small sizes (TRITON_INTERPRET=1): a check of "
+                        "the script before device time is spent, not a measurement")
+    args = p.parse_args()
+    if bool(args.out) == bool(args.report):
+        raise SystemExit("give exactly one of --out (measure) or --report (render)")
+    if args.out:
+        measure(args)
+    else:
+        report(args.report, not args.no_write)
+
+
+if __name__ == "__main__":
+    main()
