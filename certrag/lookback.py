@@ -14,7 +14,8 @@ How: an attention function registered with transformers' AttentionInterface unde
 receives every attention call of generate(). It delegates the output to transformers' SDPA function (so recording
 changes no token) and, on decode calls, computes the span masses sum_{j in S} a_j for the spans [prompt, new,
 chunk_1..chunk_n]: on the CPU with one grouped-query matmul, a softmax and a cumulative sum (span_masses); on CUDA
-with the fused Triton kernel (certrag.kernels.lookback), whose output then replaces SDPA's.
+with the Triton kernel (certrag.kernels.lookback), masses only, or output and masses in one pass when asked
+(recording(kernel_output=True)).
 """
 
 from __future__ import annotations
@@ -71,9 +72,13 @@ def _lookback_attention(module, query, key, value, attention_mask, dropout: floa
         from certrag.kernels.lookback import lookback_attention
 
         starts, ends = rec.spans(L, query.device)  # valid by construction (Recording checks the chunk spans):
-        out, mass = lookback_attention(q, key, value, starts, ends, scale, check_spans=False)  # no device sync
+        out, mass = lookback_attention(q, key, value, starts, ends, scale, check_spans=False,  # no device sync
+                                       with_output=rec.kernel_output)
         rec.add(module.layer_idx, mass)
-        return out[:, None, :, :].to(query.dtype), None  # (B, 1, Hq, D): transformers' (batch, q_len, heads, dim)
+        if out is not None:
+            return out[:, None, :, :], None  # (B, 1, Hq, D): transformers' (batch, q_len, heads, dim)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  **kwargs)
     starts, ends = rec.spans(L, None if not query.is_cuda else query.device)
@@ -103,7 +108,7 @@ class Recording:
     [prompt, new, chunk_1 .. chunk_n], and kv_lengths[step] the cache length at that step."""
 
     def __init__(self, prompt_len: int, chunk_spans: list[tuple[int, int]], num_layers: int,
-                 use_kernel: bool = True) -> None:
+                 use_kernel: bool = True, kernel_output: bool = False) -> None:
         import torch
 
         for a, b in chunk_spans:
@@ -113,6 +118,7 @@ class Recording:
         self.chunk_spans = list(chunk_spans)
         self.num_layers = num_layers
         self.use_kernel = use_kernel
+        self.kernel_output = kernel_output
         self._starts = torch.tensor([0, prompt_len] + [a for a, _ in chunk_spans], dtype=torch.long)
         self._ends_fixed = torch.tensor([prompt_len, 0] + [b for _, b in chunk_spans], dtype=torch.long)
         self._step: dict[int, object] = {}
@@ -211,12 +217,19 @@ def lookback_features(masses: list[np.ndarray], prompt_len: int, chunk_spans: li
 
 
 @contextlib.contextmanager
-def recording(model, prompt_len: int, chunk_spans: list[tuple[int, int]], *, use_kernel: bool = True):
+def recording(model, prompt_len: int, chunk_spans: list[tuple[int, int]], *, use_kernel: bool = True,
+              kernel_output: bool = False):
     """Within the block, model's attention records span masses on every decode step into the yielded Recording
-    (this thread only). The model's attention implementation is restored afterwards."""
+    (this thread only). The model's attention implementation is restored afterwards.
+
+    On CUDA the masses come from the Triton kernel (use_kernel=False: from torch, as on the CPU) and the output from
+    SDPA, so the tokens are plain generation's. kernel_output=True takes the output from the kernel's same pass
+    instead of calling SDPA too: one read of the cache instead of two, but its float rounding differs from SDPA's,
+    so a near tie between two tokens can go the other way."""
     name = register()
     previous = model.config._attn_implementation
-    rec = Recording(prompt_len, chunk_spans, model.config.num_hidden_layers, use_kernel=use_kernel)
+    rec = Recording(prompt_len, chunk_spans, model.config.num_hidden_layers, use_kernel=use_kernel,
+                    kernel_output=kernel_output)
     model.set_attn_implementation(name)
     _state.recording = rec
     try:

@@ -19,6 +19,7 @@ This module imports triton; `import certrag` never imports it (certrag.lookback 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -36,7 +37,7 @@ def _lookback_split_kernel(
     sv_b, sv_h, sv_l, sv_d,
     ss_b, ss_s,
     NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, WITH_OUT: tl.constexpr,
 ):
     bh = tl.program_id(0)  # b * HQ + h
     split = tl.program_id(1)
@@ -72,8 +73,9 @@ def _lookback_split_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
-        v = tl.load(v_base + n[:, None] * sv_l + d[None, :] * sv_d, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        if WITH_OUT:  # masses alone never read V
+            v = tl.load(v_base + n[:, None] * sv_l + d[None, :] * sv_d, mask=kv_mask, other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         in_span = (n[None, :] >= st[:, None]) & (n[None, :] < en[:, None])
         span_acc = span_acc * alpha + tl.sum(tl.where(in_span, p[None, :], 0.0), axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=0)
@@ -82,8 +84,31 @@ def _lookback_split_kernel(
     row = bh * NUM_SPLITS + split
     tl.store(m_ptr + row, m_i)
     tl.store(l_ptr + row, l_i)
-    tl.store(acc_ptr + row * BLOCK_D + d, acc)
+    if WITH_OUT:
+        tl.store(acc_ptr + row * BLOCK_D + d, acc)
     tl.store(span_ptr + row * BLOCK_S + s_idx, span_acc)
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, span_ptr, out_ptr, mass_ptr, D, S,
+                    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_S: tl.constexpr, WITH_OUT: tl.constexpr):
+    """flash-decoding's reduction, one program per (batch, head): rescale each split by 2^(m_i - M), normalise."""
+    bh = tl.program_id(0)
+    i = tl.arange(0, BLOCK_SPLITS)
+    i_ok = i < NUM_SPLITS
+    m = tl.load(m_ptr + bh * NUM_SPLITS + i, mask=i_ok, other=-float("inf"))
+    w = tl.exp2(m - tl.max(m, axis=0))  # empty splits have m = -inf -> weight 0
+    w = tl.where(i_ok, w, 0.0)
+    denom = tl.sum(w * tl.load(l_ptr + bh * NUM_SPLITS + i, mask=i_ok, other=0.0), axis=0)
+    rows = bh * NUM_SPLITS + i
+    s_idx = tl.arange(0, BLOCK_S)
+    span = tl.load(span_ptr + rows[:, None] * BLOCK_S + s_idx[None, :], mask=i_ok[:, None], other=0.0)
+    tl.store(mass_ptr + bh * S + s_idx, tl.sum(w[:, None] * span, axis=0) / denom, mask=s_idx < S)
+    if WITH_OUT:
+        d = tl.arange(0, BLOCK_D)
+        acc = tl.load(acc_ptr + rows[:, None] * BLOCK_D + d[None, :], mask=i_ok[:, None], other=0.0)
+        tl.store(out_ptr + bh * D + d, tl.sum(w[:, None] * acc, axis=0) / denom, mask=d < D)
 
 
 def _check(q, k, v, span_starts, span_ends, check_spans: bool = True):
@@ -128,29 +153,36 @@ def lookback_reference(q, k, v, span_starts, span_ends, scale: float | None = No
     return out.to(q.dtype), mass
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = None, *, num_splits: int | None = None,
-                       block_n: int = 64, check_spans: bool = True):
-    """The fused kernel (see the module docstring). num_splits: KV-length splits (default: enough programs to fill
-    the GPU, each split at least 4 blocks long). check_spans=False skips the bounds check of the span values (a
-    device sync when they are on the GPU) for callers that build valid spans themselves."""
+                       block_n: int = 64, check_spans: bool = True, with_output: bool = True):
+    """The fused kernel (see the module docstring): (out, mass). num_splits: KV-length splits (default: enough
+    programs to fill the GPU, each split at least 4 blocks long). check_spans=False skips the bounds check of the
+    span values (a device sync when they are on the GPU) for callers that build valid spans themselves.
+    with_output=False computes the masses alone (V is never read) and returns (None, mass): for callers that take
+    the attention output from elsewhere."""
     starts, ends = _check(q, k, v, span_starts, span_ends, check_spans)
     B, HQ, D = q.shape
     L, S = k.shape[2], starts.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if num_splits is None:
         programs = B * HQ
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        num_splits = max(1, min(triton.cdiv(L, 4 * block_n), triton.cdiv(2 * sms, programs), 128))
+        num_splits = max(1, min(triton.cdiv(L, 4 * block_n), triton.cdiv(2 * _multiprocessors(q.device), programs),
+                                128))
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1; got {num_splits}")
     chunk = triton.cdiv(triton.cdiv(L, num_splits), block_n) * block_n
     block_d = triton.next_power_of_2(D)
     block_s = triton.next_power_of_2(max(S, 1))
-    dev = q.device
-    m = torch.empty(B * HQ * num_splits, dtype=torch.float32, device=dev)
-    l = torch.empty_like(m)
-    acc = torch.empty(B * HQ * num_splits, block_d, dtype=torch.float32, device=dev)
-    span = torch.empty(B * HQ * num_splits, block_s, dtype=torch.float32, device=dev)
+    rows = B * HQ * num_splits
+    # One workspace for the per-split state: m, l, span sums and (with the output) the output accumulators.
+    work = torch.empty(rows * (2 + block_s + (block_d if with_output else 0)), dtype=torch.float32, device=q.device)
+    m, l, span = work[:rows], work[rows:2 * rows], work[2 * rows:rows * (2 + block_s)]
+    acc = work[rows * (2 + block_s):] if with_output else span  # (unused without the output)
     starts, ends = starts.contiguous(), ends.contiguous()
     _lookback_split_kernel[(B * HQ, num_splits)](
         q, k, v, starts, ends, m, l, acc, span,
@@ -159,12 +191,11 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
         k.stride(0), k.stride(1), k.stride(2), k.stride(3),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         starts.stride(0), starts.stride(1),
-        NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s,
+        NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, WITH_OUT=with_output,
     )
-    # Combine the splits (flash-decoding's reduction): rescale each split by 2^(m_i - M).
-    m = m.view(B, HQ, num_splits)
-    w = torch.exp2(m - m.amax(dim=-1, keepdim=True))  # empty splits have m = -inf -> weight 0
-    denom = (w * l.view(B, HQ, num_splits)).sum(-1)
-    out = (w[..., None] * acc.view(B, HQ, num_splits, block_d)).sum(2)[..., :D] / denom[..., None]
-    mass = (w[..., None] * span.view(B, HQ, num_splits, block_s)).sum(2)[..., :S] / denom[..., None]
-    return out.to(q.dtype), mass
+    mass = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if with_output else mass  # stored in q's dtype
+    _combine_kernel[(B * HQ,)](m, l, acc, span, out, mass, D, S, NUM_SPLITS=num_splits,
+                               BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, BLOCK_S=block_s,
+                               WITH_OUT=with_output)
+    return (out if with_output else None), mass

@@ -76,7 +76,8 @@ def test_recording_keeps_tokens_and_matches_output_attentions(tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the fused Triton kernel path")
-def test_recording_on_cuda_uses_the_fused_kernel(tiny, monkeypatch):
+@pytest.mark.parametrize("kernel_output", [False, True])
+def test_recording_on_cuda_uses_the_kernel(tiny, monkeypatch, kernel_output):
     import copy
 
     import certrag.kernels.lookback as kernel
@@ -89,7 +90,7 @@ def test_recording_on_cuda_uses_the_fused_kernel(tiny, monkeypatch):
     prompt = torch.randint(1, 97, (1, 300), generator=g).cuda()
     P, chunks, n = 300, [(10, 90), (90, 250), (260, 260)], 12
     plain = _generate(model, prompt, n)
-    with recording(model, P, chunks) as rec:
+    with recording(model, P, chunks, kernel_output=kernel_output) as rec:
         recorded = _generate(model, prompt, n)
     assert len(calls) == (n - 1) * model.config.num_hidden_layers  # every decode call of every layer
     assert torch.equal(plain, recorded)

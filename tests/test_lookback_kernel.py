@@ -74,6 +74,20 @@ def test_gqa_and_kv_splits(group, splits):
     torch.testing.assert_close(whole.sum(-1), torch.ones_like(whole.sum(-1)), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("splits", [1, 5])
+def test_masses_without_the_output_never_need_v(splits):
+    q, k, v = _inputs(2, 8, 2, 300, 64, torch.float32, 11)
+    starts, ends = _spans(np.random.default_rng(4), 300, 6)
+    out, mass = lookback_attention(q, k, v, starts, ends, num_splits=splits, with_output=False)
+    _, ref_mass = lookback_reference(q, k, v, starts, ends)
+    assert out is None
+    torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
+    # V is not read: NaNs in it leave the masses as they were.
+    _, again = lookback_attention(q, k, torch.full_like(v, float("nan")), starts, ends, num_splits=splits,
+                                  with_output=False)
+    torch.testing.assert_close(again, mass, atol=0, rtol=0)
+
+
 def test_one_span_many_spans_per_batch_and_strided_cache():
     q, k, v = _inputs(3, 8, 2, 129, 40, torch.float32, 5, strided=True)
     assert not k.is_contiguous()
