@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from certrag.llm.local import Generation
-from certrag.llm.prompts import Passage, chain_of_note_messages, feedback_messages, plain_messages
+from certrag.llm.prompts import (Passage, chain_of_note_messages, feedback_messages, note_messages,
+                                 noted_answer_messages, plain_messages)
 
 NOTE_KINDS = ("answers", "context", "irrelevant")
 UNKNOWN = "unknown"
@@ -116,22 +117,78 @@ def is_unknown(answer: str) -> bool:
     return a in ("unknown", "i don't know", "i do not know", "no answer", "") or a.startswith("unknown")
 
 
+_NOTE_KIND = re.compile(r"^[\s*#>-]*(?:reading\s+)?(?:note\s*\d*\s*)?[\[(]?\s*(answers?|context|irrelevant)\b"
+                        r"[\s*\])]*[:-]?[\s*]*(.*)$", re.I)
+
+
+def parse_note(output: str) -> tuple[str, str, bool]:
+    """(kind, note, malformed) from a one-passage reading note: its first non-empty line must start with ANSWERS,
+    CONTEXT or IRRELEVANT. Never raises; a note without a kind is 'malformed'."""
+    for line in output.splitlines():
+        if line.strip():
+            m = _NOTE_KIND.match(line)
+            if not m:
+                return "malformed", line.strip(), True
+            kind = m.group(1).lower()
+            return ("answers" if kind.startswith("answer") else kind), m.group(2).strip(), False
+    return "malformed", "", True
+
+
+def generate_all(llm: LLM, messages_list: list[list[dict]], max_new_tokens: int) -> list[Generation]:
+    """One generation per chat: batched when the backend can (LocalLLM.generate_batch), else one by one."""
+    batch = getattr(llm, "generate_batch", None)
+    if batch is not None:
+        return list(batch(messages_list, max_new_tokens=max_new_tokens))
+    return [llm.generate(m, max_new_tokens=max_new_tokens) for m in messages_list]
+
+
 @dataclass(frozen=True)
 class ChainOfNote:
-    """Chain-of-Note (Yu et al., 2023): a note per passage (answers / context / irrelevant), then the answer or
-    'unknown'. An 'unknown' answer counts as a rejection."""
+    """Chain-of-Note (Yu et al., 2023): a reading note per passage (answers / context / irrelevant), then the
+    answer or 'unknown'. An 'unknown' answer counts as a rejection.
 
-    max_new_tokens: int = 48  # per passage, plus the answer line
+    mode "per_passage" (default): one note per passage, each its own short call (batched on a local model), then
+    the answer from the passages not noted irrelevant, each with its note; when every passage is irrelevant the
+    answer is 'unknown' with no further call. A note without a kind is reported (malformed) and its passage kept.
+    mode "single": the paper's layout, every note and the answer in one generation -- for models that follow a
+    multi-part format (the bundled 0.5B reader does not: it skips the notes; bench_qa.py).
+    max_new_tokens: per note (per passage in "single" mode, plus the answer line)."""
+
+    max_new_tokens: int = 40
+    mode: str = "per_passage"
+    answer_tokens: int = 32
     name: str = "chain_of_note"
 
     def run(self, question: str, passages: list[Passage], llm: LLM, qtype: str = "open",
             options: list[str] | None = None) -> StrategyResult:
-        budget = self.max_new_tokens * (len(passages) + 1)
-        g = llm.generate(chain_of_note_messages(question, passages, qtype, options), max_new_tokens=budget)
-        notes, answer, malformed = parse_chain_of_note(g.text, len(passages))
+        if self.mode not in ("per_passage", "single"):
+            raise ValueError(f"mode must be 'per_passage' or 'single'; got {self.mode!r}")
+        if self.mode == "single":
+            budget = self.max_new_tokens * (len(passages) + 1)
+            g = llm.generate(chain_of_note_messages(question, passages, qtype, options), max_new_tokens=budget)
+            notes, answer, malformed = parse_chain_of_note(g.text, len(passages))
+            rejected = is_unknown(answer)
+            return StrategyResult(text=UNKNOWN if rejected else answer, calls=(g,), notes=notes, rejected=rejected,
+                                  malformed=malformed, passages_used=len(passages))
+        gens = generate_all(llm, [note_messages(question, p) for p in passages], self.max_new_tokens)
+        notes, keep, malformed = [], [], False
+        for i, g in enumerate(gens, 1):
+            kind, text, bad = parse_note(g.text)
+            notes.append(Note(passage=i, kind=kind, text=text))
+            malformed |= bad
+            if kind != "irrelevant":
+                keep.append(i - 1)
+        if passages and not keep:  # every passage noted irrelevant: an honest 'unknown', no answer call
+            return StrategyResult(text=UNKNOWN, calls=tuple(gens), notes=tuple(notes), rejected=True,
+                                  malformed=malformed, passages_used=len(passages), cited=(), answer_call=None)
+        lines = [n.text if n.kind == "malformed" else f"{n.kind.upper()}: {n.text}" for n in notes]
+        final = llm.generate(noted_answer_messages(question, [passages[i] for i in keep], [lines[i] for i in keep],
+                                                   qtype, options), max_new_tokens=self.answer_tokens)
+        answer = _first_line(final.text)
         rejected = is_unknown(answer)
-        return StrategyResult(text=UNKNOWN if rejected else answer, calls=(g,), notes=notes, rejected=rejected,
-                              malformed=malformed, passages_used=len(passages))
+        return StrategyResult(text=UNKNOWN if rejected else answer, calls=(*gens, final), notes=tuple(notes),
+                              rejected=rejected, malformed=malformed, passages_used=len(passages), cited=tuple(keep),
+                              answer_call=len(gens))
 
 
 _SCORE = re.compile(r"score\s*:?\s*(\d+(?:\.\d+)?)", re.I)

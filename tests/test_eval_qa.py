@@ -65,4 +65,11 @@ def test_small_real_evaluation(nq_engine, smollm):
     assert summary["em"] == pytest.approx(sum(r["em"] for r in rows) / 3)
     noisy = evaluate(engine, items[:2], "chain_of_note", noise_ratio=1.0, progress=False, max_new_tokens=12)
     assert noisy["summary"]["noise_ratio"] == 1.0
+    # A shared retrieval cache: retrieved once per question, and the same passages (so the same answers) as without.
+    cache = {}
+    cached = evaluate(engine, items[:2], "chain_of_note", noise_ratio=1.0, progress=False, max_new_tokens=12,
+                      retrievals=cache)
+    assert len(cache) == 2 and {q for q, _ in cache} == {it.question for it in items[:2]}
+    assert [r["prediction"] for r in cached["rows"]] == [r["prediction"] for r in noisy["rows"]]
+    assert [r["noisy_passages"] for r in cached["rows"]] == [r["noisy_passages"] for r in noisy["rows"]]
     assert "| plain | retrieved | 3 |" in markdown([summary, noisy["summary"]])

@@ -56,3 +56,20 @@ def test_bad_input(llm):
         llm.generate([{"role": "user", "content": "x"}], temperature=-1)
     with pytest.raises(ValueError, match="unknown bundled model|transformers model folder"):
         LocalLLM("no-such-model")
+
+
+def test_batched_generation_matches_one_by_one(llm):
+    chats = [[{"role": "user", "content": c}] for c in (
+        "What is the capital of France? Answer in one word.",
+        "Name the largest planet of the solar system, then describe it in one long sentence please.",
+        "Say yes.")]
+    single = [llm.generate(c, max_new_tokens=10) for c in chats]
+    batched = llm.generate_batch(chats, max_new_tokens=10, batch_size=2)  # two batches, left padding in each
+    assert [b.text for b in batched] == [s.text for s in single]
+    assert [b.input_tokens for b in batched] == [s.input_tokens for s in single]
+    assert [b.output_tokens for b in batched] == [s.output_tokens for s in single]
+    assert [b.finish_reason for b in batched] == [s.finish_reason for s in single]
+    for b, s in zip(batched, single):
+        assert b.mean_logprob == pytest.approx(s.mean_logprob, abs=1e-3)
+    with pytest.raises(ValueError, match="batch_size"):
+        llm.generate_batch(chats, batch_size=0)

@@ -5,7 +5,7 @@ import pytest
 
 from certrag.llm.local import Generation
 from certrag.llm.prompts import Passage, format_passages, plain_messages
-from certrag.strategies import ChainOfNote, Feedback, Plain, parse_chain_of_note, parse_feedback
+from certrag.strategies import ChainOfNote, Feedback, Plain, parse_chain_of_note, parse_feedback, parse_note
 
 
 class Scripted:
@@ -58,8 +58,45 @@ def test_chain_of_note_parsing_malformed_never_crashes(out):
 
 def test_chain_of_note_counts_unknown_as_rejection():
     llm = Scripted(["Note 1 [IRRELEVANT]: no.\nNote 2 [IRRELEVANT]: no.\nAnswer: unknown"])
-    r = ChainOfNote().run("Who won?", PASSAGES, llm)
+    r = ChainOfNote(mode="single").run("Who won?", PASSAGES, llm)
     assert r.rejected and r.text == "unknown" and not r.malformed
+
+
+@pytest.mark.parametrize("out, kind, text, malformed", [
+    ("ANSWERS: Paris is the capital", "answers", "Paris is the capital", False),
+    ("**CONTEXT**: a city in France\nmore", "context", "a city in France", False),
+    ("Note 1 [IRRELEVANT]: about Lyon", "irrelevant", "about Lyon", False),
+    ("  answer - Paris", "answers", "Paris", False),
+    ("Paris is the capital.", "malformed", "Paris is the capital.", True),  # no kind
+    ("contextual remarks", "malformed", "contextual remarks", True),  # a word that only starts like a kind
+    ("", "malformed", "", True),
+])
+def test_note_parsing(out, kind, text, malformed):
+    assert parse_note(out) == (kind, text, malformed)
+
+
+def test_chain_of_note_per_passage_keeps_relevant_passages_with_their_notes():
+    llm = Scripted(["ANSWERS: Paris.", "IRRELEVANT: a city.", "Paris"])
+    r = ChainOfNote().run("Capital of France?", PASSAGES, llm)
+    assert [n.kind for n in r.notes] == ["answers", "irrelevant"] and [n.passage for n in r.notes] == [1, 2]
+    assert r.text == "Paris" and not r.rejected and not r.malformed and r.cited == (0,) and r.answer_call == 2
+    assert len(r.calls) == 3 and r.input_tokens == sum(c.input_tokens for c in r.calls)
+    note_prompts, answer_prompt = llm.prompts[:2], llm.prompts[2][1]["content"]
+    assert "Paris is the capital" in note_prompts[0][1]["content"] and "Lyon" in note_prompts[1][1]["content"]
+    assert "Paris is the capital" in answer_prompt and "Lyon" not in answer_prompt  # the irrelevant one is dropped
+    assert "Reading note 1: ANSWERS: Paris." in answer_prompt
+
+
+def test_chain_of_note_per_passage_all_irrelevant_is_unknown_without_an_answer_call():
+    llm = Scripted(["IRRELEVANT: no.", "Irrelevant: no."])
+    r = ChainOfNote().run("Who won?", PASSAGES, llm)
+    assert r.rejected and r.text == "unknown" and len(r.calls) == 2 and r.answer_call is None and r.cited == ()
+    # A note without a kind is reported and its passage kept; 'unknown' from the answer call is a rejection too.
+    llm = Scripted(["IRRELEVANT: no.", "It mentions Lyon.", "Unknown."])
+    r = ChainOfNote().run("Who won?", PASSAGES, llm)
+    assert r.malformed and r.rejected and r.cited == (1,) and r.notes[1].kind == "malformed"
+    with pytest.raises(ValueError, match="mode"):
+        ChainOfNote(mode="both").run("q", PASSAGES, Scripted([]))
 
 
 def test_feedback_parsing():

@@ -68,8 +68,10 @@ def noise_passages(item: QAItem, retrieval, k: int, ratio: float) -> tuple[list,
 
 
 def evaluate(engine, items: list[QAItem], strategy: str = "plain", *, noise_ratio: float | None = None, k: int = 5,
-             prices: PriceTable | None = None, max_new_tokens: int | None = None, progress: bool = True) -> dict:
-    """Runs every item and returns {"rows": [...], "summary": {...}}."""
+             prices: PriceTable | None = None, max_new_tokens: int | None = None, progress: bool = True,
+             retrievals: dict | None = None) -> dict:
+    """Runs every item and returns {"rows": [...], "summary": {...}}. retrievals: a dict the noise protocol keeps
+    its retrievals in, by question, so that several noise ratios over the same questions retrieve once."""
     from tqdm.auto import tqdm
 
     from certrag.strategies import STRATEGIES
@@ -85,7 +87,12 @@ def evaluate(engine, items: list[QAItem], strategy: str = "plain", *, noise_rati
         else:
             if strategy not in STRATEGIES:
                 raise ValueError(f"the noise protocol runs plain or chain_of_note, not {strategy!r}")
-            r = engine.retrieve(item.question, candidates=max(20, 4 * k))
+            key = (item.question, max(20, 4 * k))
+            r = retrievals.get(key) if retrievals is not None else None
+            if r is None:
+                r = engine.retrieve(item.question, candidates=key[1])
+                if retrievals is not None:
+                    retrievals[key] = r
             passages, rel, noise = noise_passages(item, r, k, noise_ratio)
             base = STRATEGIES[strategy]() if max_new_tokens is None else STRATEGIES[strategy](
                 max_new_tokens=max_new_tokens)

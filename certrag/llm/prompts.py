@@ -26,14 +26,15 @@ def _escape(text: str) -> str:
     return text.replace("<", "\u2039").replace(">", "\u203a")
 
 
+def _element(i: int, p: Passage) -> str:
+    title = f' title="{_escape(p.title)}"' if p.title else ""
+    return f'<passage id="{i}"{title}>\n{_escape(p.text)}\n</passage>'
+
+
 def format_passages(passages: list[Passage]) -> str:
     if not passages:
         return "(no passages)"
-    out = []
-    for i, p in enumerate(passages, 1):
-        title = f' title="{_escape(p.title)}"' if p.title else ""
-        out.append(f'<passage id="{i}"{title}>\n{_escape(p.text)}\n</passage>')
-    return "\n".join(out)
+    return "\n".join(_element(i, p) for i, p in enumerate(passages, 1))
 
 
 def _task(question: str, qtype: str, options: list[str] | None) -> str:
@@ -66,6 +67,26 @@ def chain_of_note_messages(question: str, passages: list[Passage], qtype: str = 
             "inferred. IRRELEVANT: it does not help.\n"
             "Then write the final line as\nAnswer: <answer>\n"
             "If every passage is irrelevant and you do not know the answer, write: Answer: unknown")
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def note_messages(question: str, passage: Passage) -> list[dict]:
+    """Chain-of-Note, one passage at a time: a one-line reading note that starts with its kind."""
+    user = (f"{format_passages([passage])}\n\nQuestion: {question}\n\n"
+            "Write a reading note on the passage for this question, one line, starting with exactly one of:\n"
+            "ANSWERS: <the answer, as the passage states it>\n"
+            "CONTEXT: <what the passage says that helps to answer>\n"
+            "IRRELEVANT: <what the passage is about instead>")
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def noted_answer_messages(question: str, passages: list[Passage], notes: list[str], qtype: str = "open",
+                          options: list[str] | None = None) -> list[dict]:
+    """Chain-of-Note's answer step: the passages kept, each followed by its reading note (notes are the model's own
+    words, so they are quoted as data too)."""
+    parts = [f"{_element(i, p)}\nReading note {i}: {_escape(n)}" for i, (p, n) in enumerate(zip(passages, notes), 1)]
+    user = (("\n".join(parts) if parts else "(no passages)") + f"\n\n{_task(question, qtype, options)}\n"
+            "If the passages and notes do not give the answer, reply: unknown")
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
