@@ -28,6 +28,7 @@ CONDITIONS = [("plain", "plain", None), ("chain_of_note", "chain_of_note", None)
               ("plain", "plain", 0.0), ("plain", "plain", 0.5), ("plain", "plain", 1.0),
               ("chain_of_note", "chain_of_note", 0.0), ("chain_of_note", "chain_of_note", 0.5),
               ("chain_of_note", "chain_of_note", 1.0), ("chain_of_note single-call", "con_single", None)]
+# The single-call layout is last: `--conditions 9` leaves it out.
 
 
 def _strategy(name: str):
