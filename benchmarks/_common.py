@@ -24,13 +24,16 @@ RESULTS_MD = BENCH_DIR / "RESULTS.md"
 DATA_DIR = BENCH_DIR / "data"  # git-ignored scratch: generated data, baseline builds
 
 
-def pin_threads(threads: int) -> None:
-    """Pins this process to the first `threads` CPUs and caps every thread pool we know of, before they start."""
+def pin_threads(threads: int, offset: int = 0) -> None:
+    """Pins this process to `threads` CPUs starting at the offset-th allowed one (wrapping around), and caps every
+    thread pool we know of, before they start. Worker processes pass their index as the offset, so that they run
+    on different cores rather than all on the first."""
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
         os.environ[var] = str(threads)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        cpus = sorted(os.sched_getaffinity(0))[:threads]
+        allowed = sorted(os.sched_getaffinity(0))
+        cpus = [allowed[(offset * threads + i) % len(allowed)] for i in range(min(threads, len(allowed)))]
         os.sched_setaffinity(0, cpus)
     except (AttributeError, OSError):
         pass

@@ -46,7 +46,7 @@ def _shard_path(args, shard: int) -> Path:
 def worker(args) -> None:
     """Question-major: every condition of a question before the next question, each row appended to the shard's
     JSONL file as it is done (so a run cut short leaves complete, paired questions; --resume continues it)."""
-    _common.pin_threads(1)
+    _common.pin_threads(1, offset=args.shard)  # one core per worker
     from _nq import cached_embedder, nq_store
 
     from certrag.eval.nq import load_nq_open

@@ -139,3 +139,16 @@ def test_cpu_path_matches_reference():
         got = span_masses(q, k, starts, ends, scale=1 / math.sqrt(64))
         _, ref = lookback_reference(q, k, v, starts, ends)
         torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+        # Spans per sequence, and no spans at all.
+        both = [_spans(np.random.default_rng(L + i), L, 5) for i in range(2)]
+        starts2, ends2 = torch.stack([s for s, _ in both]), torch.stack([e for _, e in both])
+        _, ref2 = lookback_reference(q, k, v, starts2, ends2)
+        torch.testing.assert_close(span_masses(q, k, starts2, ends2, 1 / math.sqrt(64)), ref2, atol=2e-6, rtol=1e-5)
+        assert span_masses(q, k, torch.zeros(0), torch.zeros(0), 0.125).shape == (2, 2 * group, 0)
+    # A short span at the end of a long cache keeps its precision (summed from its own weights).
+    q, k, v = [t.cpu().double() for t in _inputs(1, 4, 1, 50000, 32, torch.float32, 3)]
+    starts, ends = torch.tensor([0, 49990, 123]), torch.tensor([50000, 49993, 124])
+    got = span_masses(q.float(), k.float(), starts, ends, scale=32 ** -0.5)
+    w = torch.softmax(torch.einsum("hd,ld->hl", q[0], k[0, 0]) * 32 ** -0.5, -1)
+    exact = torch.stack([w[:, a:b].sum(-1) for a, b in zip(starts.tolist(), ends.tolist())], -1)
+    torch.testing.assert_close(got[0].double(), exact, atol=1e-9, rtol=2e-5)
