@@ -20,6 +20,7 @@ Two parts, both on one CUDA device, bfloat16:
 Run on the device machine (writes JSON), then render here:
     python benchmarks/bench_lookback_gpu.py --out results.json       # on the GPU machine
     python benchmarks/bench_lookback_gpu.py --report results.json    # writes RESULTS.md's section
+(--report takes several files: the attention rows of the last that has them, the generation rows likewise.)
 """
 
 from __future__ import annotations
@@ -76,8 +77,11 @@ def attention_part(lengths, batches, spans: int, dev: str) -> list[dict]:
                 def sdpa():
                     return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
 
-                def kernel():
+                def kernel():  # layout "auto": per_group for these grouped-query layouts
                     return lookback_attention(q, k, v, starts, ends, scale, check_spans=False)
+
+                def kernel_per_head():
+                    return lookback_attention(q, k, v, starts, ends, scale, check_spans=False, layout="per_head")
 
                 def sdpa_kernel_masses():
                     return sdpa(), lookback_attention(q, k, v, starts, ends, scale, check_spans=False,
@@ -99,8 +103,12 @@ def attention_part(lengths, batches, spans: int, dev: str) -> list[dict]:
                        "spans": spans, "max_err_out": float((out.float() - ref_out.float()).abs().max()),
                        "max_err_mass": float((mass - ref_mass).abs().max())}
                 _sync(dev)
-                for name, fn in (("sdpa", sdpa), ("kernel", kernel), ("sdpa_kernel_masses", sdpa_kernel_masses),
-                                 ("two_pass", two_pass), ("eager", eager)):
+                out_h, mass_h = kernel_per_head()
+                row["max_err_per_head"] = max(float((out_h.float() - ref_out.float()).abs().max()),
+                                              float((mass_h - ref_mass).abs().max()))
+                for name, fn in (("sdpa", sdpa), ("kernel", kernel), ("kernel_per_head", kernel_per_head),
+                                 ("sdpa_kernel_masses", sdpa_kernel_masses), ("two_pass", two_pass),
+                                 ("eager", eager)):
                     row[f"{name}_us"] = timer(fn)
                 kv_bytes = 2 * k.numel() * k.element_size()
                 row["kernel_gbps"] = kv_bytes / (row["kernel_us"] * 1e-6) / 1e9
@@ -237,19 +245,27 @@ def measure(args) -> None:
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
     save()
-    generation_part([int(x) for x in args.gen_lengths.split(",")], args.tokens, args.repeats, dev,
-                    small=args.cpu_smoke, on_row=save)
+    if args.gen_lengths:
+        generation_part([int(x) for x in args.gen_lengths.split(",")], args.tokens, args.repeats, dev,
+                        small=args.cpu_smoke, on_row=save)
 
 
-def report(path: str, write: bool) -> None:
-    data = json.loads(Path(path).read_text())
-    meta, rows = data["meta"], data["rows"]
-    att = [r for r in rows if r["part"] == "attention"]
-    gen = [r for r in rows if r["part"] == "generation"]
+def report(paths: list[str], write: bool) -> None:
+    """Renders the rows of one or more --out files: the attention rows of the last file that has them, the
+    generation rows of the last file that has them (each part names its own run)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    att_run = next(r for r in reversed(runs) if any(x["part"] == "attention" for x in r["rows"]))
+    gen_run = next((r for r in reversed(runs) if any(x["part"] == "generation" for x in r["rows"])), None)
+    meta = att_run["meta"]
+    att = [r for r in att_run["rows"] if r["part"] == "attention"]
+    gen = [r for r in gen_run["rows"] if r["part"] == "generation"] if gen_run else []
+    rows = att + gen
+    per_head = "kernel_per_head_us" in att[0]
     att_table = [[r["layout"], r["batch"], r["length"], r["sdpa_us"], r["sdpa_kernel_masses_us"], r["kernel_us"],
-                  r["two_pass_us"], r["eager_us"], r["sdpa_kernel_masses_us"] / r["sdpa_us"],
-                  r["kernel_us"] / r["sdpa_us"], r["eager_us"] / r["kernel_us"], r["kernel_gbps"],
-                  max(r["max_err_out"], r["max_err_mass"])] for r in att]
+                  r.get("kernel_per_head_us", float("nan")), r["two_pass_us"], r["eager_us"],
+                  r["sdpa_kernel_masses_us"] / r["sdpa_us"], r["kernel_us"] / r["sdpa_us"],
+                  r["eager_us"] / r["kernel_us"], r["kernel_gbps"],
+                  max(r["max_err_out"], r["max_err_mass"], r.get("max_err_per_head", 0.0))] for r in att]
 
     def same(r, m):
         return "yes" if r[f"{m}_same_tokens"] else f"no (from {r[f'{m}_first_difference']})"
@@ -266,33 +282,42 @@ def report(path: str, write: bool) -> None:
                           same(r, "record_fused"), same(r, "record_two_pass")])
     longest = max(r["length"] for r in att)
     long = [r for r in att if r["length"] == longest]
-    text = "\n".join([
+    best = max(att, key=lambda r: r["kernel_gbps"])
+    lines = [
         "### The lookback kernel on a GPU (bench_lookback_gpu.py)\n",
         (f"**Verdict:** on the {meta['gpu']} the kernel's output and span masses match the float32 reference "
-         f"(max error {max(r[-1] for r in att_table):.1e}); one call costs {min(r[9] for r in att_table):.1f}x to "
-         f"{max(r[9] for r in att_table):.1f}x torch SDPA's decode attention (SDPA is one tuned kernel; this is two "
-         f"Triton launches), and the eager way takes {min(r['eager_us'] / r['kernel_us'] for r in long):.1f}x to "
-         f"{max(r['eager_us'] / r['kernel_us'] for r in long):.1f}x the kernel's time at {longest:,} positions. In "
-         f"generation, recording (SDPA's output + the kernel's masses, the default) costs "
-         f"{min(r[2] for r in gen_table):.2f}x to {max(r[2] for r in gen_table):.2f}x plain decoding per token, "
-         f"with plain generation's peak memory.\n"),
-        (f"Where it falls short: at the bandwidth-bound sizes the fused kernel moves "
-         f"{max(r['kernel_gbps'] for r in att):.0f} GB/s against SDPA's {max(r['sdpa_gbps'] for r in att):.0f} "
-         "(one program per query head re-reads its KV head's cache once per head of the group, and reduces with "
-         "FMAs rather than tensor-core dots), and at small sizes both it and the recorder pay Triton's launch cost "
-         "from Python (about 70 µs for the two launches on this host, against 10 µs for SDPA's one): generation "
-         "here is host-bound, so that is where the recording overhead comes from. GQA-packed programs using tl.dot, "
-         "and one launch (or a CUDA graph), are the next steps.\n"),
+         f"(max error {max(r[-1] for r in att_table):.1e}); one fused call costs {min(r[10] for r in att_table):.1f}x "
+         f"to {max(r[10] for r in att_table):.1f}x torch SDPA's decode attention, and the eager way takes "
+         f"{min(r['eager_us'] / r['kernel_us'] for r in long):.1f}x to "
+         f"{max(r['eager_us'] / r['kernel_us'] for r in long):.1f}x the kernel's time at {longest:,} positions."
+         + (f" In generation, recording (SDPA's output + the kernel's masses, the default) costs "
+            f"{min(r[2] for r in gen_table):.2f}x to {max(r[2] for r in gen_table):.2f}x plain decoding per token, "
+            f"with plain generation's peak memory." if gen_table else "") + "\n"),
+        (f"Where it stands: at the bandwidth-bound end the fused kernel moves {best['kernel_gbps']:.0f} GB/s "
+         f"({best['layout']}, batch {best['batch']}, {best['length']:,} positions) against SDPA's "
+         f"{best['sdpa_gbps']:.0f} there; at small sizes both the kernel and the recorder pay Triton's launch cost "
+         f"from Python (two launches: {min(r['kernel_us'] for r in att):.0f} µs at best, against "
+         f"{min(r['sdpa_us'] for r in att):.0f} µs for SDPA's one), and generation here is host-bound, so that is "
+         "where the recording overhead comes from. One launch (the combine folded in) or a CUDA graph is the next "
+         "step." + (" The per-group layout (all query heads of a KV head in one program, tensor-core products) "
+                    f"against one program per query head, per-head time / per-group time: "
+                    f"{min(r[6] / r[5] for r in att_table):.2f}x to {max(r[6] / r[5] for r in att_table):.2f}x."
+                    if per_head else "") + "\n"),
         (f"{meta['gpu']} ({meta['sms']} SMs), torch {meta['torch']}, triton {meta['triton']}, transformers "
          f"{meta['transformers']}; bfloat16. One decode-attention call with 10 spans; do_bench medians in "
          "microseconds. sdpa = output only (plain decoding); sdpa + masses = SDPA's output and the kernel's masses "
-         "(the recorder's default, V not read by the kernel); fused = the kernel's output and masses in one pass; "
-         "two-pass = SDPA then the masses in torch (the CPU way); eager = weights materialised. GB/s counts K and V "
-         "read once by the fused kernel; error = max |kernel - float32 reference| over output and masses:\n"),
+         "(the recorder's default, V not read by the kernel); fused = the kernel's output and masses in one pass "
+         "(layout auto: per group); fused per-head = one program per query head; two-pass = SDPA then the masses in "
+         "torch (the CPU way); eager = weights materialised. GB/s counts K and V read once by the fused kernel; "
+         "error = max |kernel - float32 reference| over output and masses, both layouts:\n"),
         _common.markdown_table(["heads", "batch", "KV length", "sdpa µs", "sdpa + masses µs", "fused µs",
-                                "two-pass µs", "eager µs", "(sdpa + masses) / sdpa", "fused / sdpa",
-                                "eager / fused", "fused GB/s", "max error"], att_table),
-        (f"\nGeneration: Qwen2 with the 0.5B's configuration and random weights, bfloat16, {gen[0]['tokens']} "
+                                "fused per-head µs", "two-pass µs", "eager µs", "(sdpa + masses) / sdpa",
+                                "fused / sdpa", "eager / fused", "fused GB/s", "max error"], att_table),
+    ]
+    if gen:
+        lines += [
+        (f"\nGeneration (run of commit {gen_run['meta']['commit']}, {gen_run['meta']['date']}): Qwen2 with the "
+         f"0.5B's configuration and random weights, bfloat16, {gen[0]['tokens']} "
          f"tokens greedily after the prompt; median step gap over {gen[0]['repeats']} decodes per mode (modes "
          "alternated); peak = torch.cuda.max_memory_allocated during the generate call (prefill included). "
          "record = SDPA's output + the kernel's masses (default); fused = `recording(kernel_output=True)`; "
@@ -307,7 +332,8 @@ def report(path: str, write: bool) -> None:
             "part somewhere in 128 greedy steps even between two plain decodes; the first-difference positions "
             "are what compare (the fused output, whose rounding differs from SDPA's, parts far earlier). "
             "tests/test_lookback.py checks identical tokens in float32 on the GPU, in both modes."),
-        _common.footer(meta)])
+        ]
+    text = "\n".join(lines + [_common.footer(meta)])
     print(text)
     if write:
         _common.update_results_md("bench_lookback_gpu", text)
@@ -317,7 +343,7 @@ def report(path: str, write: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="measure on this machine's GPU and write the rows to this JSON file")
-    p.add_argument("--report", help="render a JSON file written by --out into RESULTS.md")
+    p.add_argument("--report", nargs="+", help="render JSON files written by --out into RESULTS.md")
     p.add_argument("--no-write", action="store_true", help="with --report: print only")
     p.add_argument("--lengths", default="1024,4096,16384,65536")
     p.add_argument("--batches", default="1,8")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -90,6 +91,80 @@ def _lookback_split_kernel(
 
 
 @triton.jit
+def _lookback_group_kernel(
+    q_ptr, k_ptr, v_ptr, starts_ptr, ends_ptr,
+    m_ptr, l_ptr, acc_ptr, span_ptr,
+    L, S, HQ, HKV, GROUP, chunk, scale_log2,
+    sq_b, sq_h, sq_d,
+    sk_b, sk_h, sk_l, sk_d,
+    sv_b, sv_h, sv_l, sv_d,
+    ss_b, ss_s,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, WITH_OUT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The same online softmax with one program per (batch, KV head, split) holding all GROUP query heads of that KV
+    head: each K / V tile is read once for the group, and scores, outputs and span sums are matrix products
+    (tensor cores for 16-bit inputs, p rounded to their type for the output as FlashAttention does; IEEE float32
+    products for float32 inputs and for the span sums)."""
+    bkv = tl.program_id(0)  # b * HKV + kv head
+    split = tl.program_id(1)
+    b = bkv // HKV
+    kvh = bkv % HKV
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    h = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :] * sq_d, mask=g_ok[:, None] & d_ok[None, :],
+                other=0.0)
+
+    s_idx = tl.arange(0, BLOCK_S)
+    s_ok = s_idx < S
+    st = tl.load(starts_ptr + b * ss_b + s_idx * ss_s, mask=s_ok, other=0)
+    en = tl.load(ends_ptr + b * ss_b + s_idx * ss_s, mask=s_ok, other=0)
+
+    m_i = tl.full([BLOCK_G], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    span_acc = tl.zeros([BLOCK_G, BLOCK_S], dtype=tl.float32)
+
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, L)
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * sk_l + d[None, :] * sk_d, mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_ok[None, :], s * scale_log2, -float("inf"))  # log2-domain scores (BLOCK_G, BLOCK_N)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        if WITH_OUT:
+            v = tl.load(v_base + n[:, None] * sv_l + d[None, :] * sv_d, mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        member = ((n[:, None] >= st[None, :]) & (n[:, None] < en[None, :])).to(tl.float32)  # (BLOCK_N, BLOCK_S)
+        span_acc = span_acc * alpha[:, None] + tl.dot(p, member, input_precision="ieee")
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    rows = (b * HQ + h) * NUM_SPLITS + split
+    tl.store(m_ptr + rows, m_i, mask=g_ok)
+    tl.store(l_ptr + rows, l_i, mask=g_ok)
+    if WITH_OUT:
+        tl.store(acc_ptr + rows[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
+    tl.store(span_ptr + rows[:, None] * BLOCK_S + s_idx[None, :], span_acc, mask=g_ok[:, None])
+
+
+@triton.jit
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, span_ptr, out_ptr, mass_ptr, D, S,
                     NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_S: tl.constexpr, WITH_OUT: tl.constexpr):
@@ -153,24 +228,35 @@ def lookback_reference(q, k, v, span_starts, span_ends, scale: float | None = No
     return out.to(q.dtype), mass
 
 
+def _interpreted() -> bool:
+    """Under TRITON_INTERPRET=1 the group kernel computes its products in float32: the interpreter's tl.dot
+    mishandles bfloat16 operands (Triton 3.9: garbage results), while float16 and float32 are right."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = None, *, num_splits: int | None = None,
-                       block_n: int = 64, check_spans: bool = True, with_output: bool = True):
+                       block_n: int = 64, check_spans: bool = True, with_output: bool = True,
+                       layout: str = "auto"):
     """The fused kernel (see the module docstring): (out, mass). num_splits: KV-length splits (default: enough
     programs to fill the GPU, each split at least 4 blocks long). check_spans=False skips the bounds check of the
     span values (a device sync when they are on the GPU) for callers that build valid spans themselves.
     with_output=False computes the masses alone (V is never read) and returns (None, mass): for callers that take
-    the attention output from elsewhere."""
+    the attention output from elsewhere. layout: "per_head" (one program per query head), "per_group" (one per KV
+    head and its group of query heads, matrix products), or "auto" (per_group when query heads share KV heads)."""
+    if layout not in ("auto", "per_head", "per_group"):
+        raise ValueError(f"layout must be 'auto', 'per_head' or 'per_group'; got {layout!r}")
     starts, ends = _check(q, k, v, span_starts, span_ends, check_spans)
     B, HQ, D = q.shape
-    L, S = k.shape[2], starts.shape[1]
+    HKV, L, S = k.shape[1], k.shape[2], starts.shape[1]
+    grouped = layout == "per_group" or (layout == "auto" and HQ > HKV)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     if num_splits is None:
-        programs = B * HQ
+        programs = B * (HKV if grouped else HQ)
         num_splits = max(1, min(triton.cdiv(L, 4 * block_n), triton.cdiv(2 * _multiprocessors(q.device), programs),
                                 128))
     if num_splits < 1:
@@ -178,21 +264,28 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
     chunk = triton.cdiv(triton.cdiv(L, num_splits), block_n) * block_n
     block_d = triton.next_power_of_2(D)
     block_s = triton.next_power_of_2(max(S, 1))
+    if grouped:  # matrix products need every dimension >= 16
+        block_d, block_s = max(block_d, 16), max(block_s, 16)
     rows = B * HQ * num_splits
     # One workspace for the per-split state: m, l, span sums and (with the output) the output accumulators.
     work = torch.empty(rows * (2 + block_s + (block_d if with_output else 0)), dtype=torch.float32, device=q.device)
     m, l, span = work[:rows], work[rows:2 * rows], work[2 * rows:rows * (2 + block_s)]
     acc = work[rows * (2 + block_s):] if with_output else span  # (unused without the output)
     starts, ends = starts.contiguous(), ends.contiguous()
-    _lookback_split_kernel[(B * HQ, num_splits)](
-        q, k, v, starts, ends, m, l, acc, span,
-        L, S, HQ, HQ // k.shape[1], chunk, scale * 1.4426950408889634,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-        starts.stride(0), starts.stride(1),
-        NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, WITH_OUT=with_output,
-    )
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+               v.stride(0), v.stride(1), v.stride(2), v.stride(3), starts.stride(0), starts.stride(1))
+    if grouped:
+        group = HQ // HKV
+        _lookback_group_kernel[(B * HKV, num_splits)](
+            q, k, v, starts, ends, m, l, acc, span, L, S, HQ, HKV, group, chunk, scale * 1.4426950408889634,
+            *strides, NUM_SPLITS=num_splits, D=D, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+            BLOCK_N=max(16, block_n), BLOCK_S=block_s, WITH_OUT=with_output,
+            IEEE=q.dtype == torch.float32 or k.dtype == torch.float32 or _interpreted())
+    else:
+        _lookback_split_kernel[(B * HQ, num_splits)](
+            q, k, v, starts, ends, m, l, acc, span, L, S, HQ, HQ // HKV, chunk, scale * 1.4426950408889634,
+            *strides, NUM_SPLITS=num_splits, D=D, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s,
+            WITH_OUT=with_output)
     mass = torch.empty(B, HQ, S, dtype=torch.float32, device=q.device)
     out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device) if with_output else mass  # stored in q's dtype
     _combine_kernel[(B * HQ,)](m, l, acc, span, out, mass, D, S, NUM_SPLITS=num_splits,

@@ -47,25 +47,25 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 @pytest.mark.parametrize("L", [1, 7, 63, 65, 1000])
-@pytest.mark.parametrize("group", [1, 4])
-def test_kernel_matches_reference_on_awkward_lengths(L, group):
+@pytest.mark.parametrize("group, layout", [(1, "auto"), (4, "per_head"), (4, "per_group")])
+def test_kernel_matches_reference_on_awkward_lengths(L, group, layout):
     rng = np.random.default_rng(L * 10 + group)
     q, k, v = _inputs(2, 2 * group, 2, L, 48, torch.float32, L)
     starts, ends = _spans(rng, L, 9)
-    out, mass = lookback_attention(q, k, v, starts, ends)
+    out, mass = lookback_attention(q, k, v, starts, ends, layout=layout)
     ref_out, ref_mass = lookback_reference(q, k, v, starts, ends)
     torch.testing.assert_close(out, ref_out, atol=TOL[torch.float32], rtol=1e-4)
     torch.testing.assert_close(mass, ref_mass.to(mass.device), atol=TOL[torch.float32], rtol=1e-4)
     assert float(mass[..., 1].abs().max()) == 0.0  # the empty span [L, L)
 
 
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("group", [1, 4, 7])
 @pytest.mark.parametrize("splits", [1, 3, 16])
 def test_gqa_and_kv_splits(group, splits):
     HKV = 2
     q, k, v = _inputs(1, HKV * group, HKV, 333, 64, torch.float32, group + splits)
     starts, ends = _spans(np.random.default_rng(splits), 333, 5)
-    out, mass = lookback_attention(q, k, v, starts, ends, num_splits=splits, block_n=32)
+    out, mass = lookback_attention(q, k, v, starts, ends, num_splits=splits, block_n=32)  # group > 1: per_group
     ref_out, ref_mass = lookback_reference(q, k, v, starts, ends)
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
@@ -106,10 +106,11 @@ def test_one_span_many_spans_per_batch_and_strided_cache():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_inputs(dtype):
+@pytest.mark.parametrize("layout", ["per_head", "per_group"])
+def test_half_precision_inputs(dtype, layout):
     q, k, v = _inputs(1, 4, 1, 200, 32, dtype, 9)
     starts, ends = _spans(np.random.default_rng(2), 200, 6)
-    out, mass = lookback_attention(q, k, v, starts, ends)
+    out, mass = lookback_attention(q, k, v, starts, ends, layout=layout)
     ref_out, ref_mass = lookback_reference(q, k, v, starts, ends)
     assert out.dtype == dtype and mass.dtype == torch.float32
     torch.testing.assert_close(out.float(), ref_out.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -128,6 +129,8 @@ def test_bad_shapes_are_refused_naming_the_argument():
         lookback_attention(q, k, v, [3], [11])
     with pytest.raises(ValueError, match="span_starts and span_ends"):
         lookback_attention(q, k, v, [0, 1], [1])
+    with pytest.raises(ValueError, match="layout"):
+        lookback_attention(q, k, v, [0], [1], layout="per_block")
 
 
 def test_cpu_path_matches_reference():
