@@ -198,8 +198,8 @@ def main() -> None:
               le["growth_mb"] / max(lp["growth_mb"], 1.0)]]),
         "\nAt longer contexts the eager way's prefill attention alone would need "
         + ", ".join(f"{eager_prefill_gb(cfg, L):.0f} GB at {L}" for L in lengths if L > 1024)
-        + f" (this machine has {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GB): not run. No GPU was lent to this "
-          "session, so the Triton kernel was checked only under TRITON_INTERPRET=1 (tests), not timed.\n",
+        + f" (this machine has {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GB): not run. The Triton kernel on a GPU: "
+          "bench_lookback_gpu.py.\n",
         _common.footer(meta)])
     print(text)
     if not args.no_write:
