@@ -85,32 +85,37 @@ def worker(mode: str, length: int, tokens: int, model_name: str, real: bool, rep
                          torch.randn(1, cfg.num_key_value_heads, length - 1, hd, generator=g), layer)
         return torch.randint(1000, 20000, (1, length), generator=g), {"cache": cache}
 
+    generated = {}
+
     def decode(how: str) -> list[float]:
         stamps.clear()
         ids, extra = inputs()
         with torch.inference_mode():
             if how == "eager":
                 model.set_attn_implementation("eager")
-                model.generate(ids, attention_mask=torch.ones_like(ids), output_attentions=True,
-                               return_dict_in_generate=True, **kw, **extra)
-            elif how == "record":
-                with recording(model, ids.shape[1], chunks) as rec:
-                    model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), output_attentions=True,
+                                     return_dict_in_generate=True, **kw, **extra).sequences
+            elif how in ("record", "record_fused"):
+                with recording(model, ids.shape[1], chunks, fused_output=how == "record_fused") as rec:
+                    seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
                 assert len(rec.finish().chunk_spans) == 8 and len(rec.masses) >= tokens - 1
             else:
-                model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw, **extra)
+        generated.setdefault(how, []).append(seq[0, ids.shape[1]:].tolist())
         return list(np.diff(stamps))
 
-    if mode == "time":
-        gaps = {"plain": [], "record": []}
+    if mode in ("time", "time_fused"):
+        modes = ("plain", "record") if mode == "time" else ("plain", "record", "record_fused")
+        gaps = {m: [] for m in modes}
         decode("plain")  # warm-up
         for rep in range(repeats):
-            for how in (("plain", "record") if rep % 2 == 0 else ("record", "plain")):
+            for how in (modes if rep % 2 == 0 else modes[::-1]):
                 gaps[how].append(float(np.median(decode(how))))
-        return {"mode": "time", "length": length, "tokens": tokens, "repeats": repeats,
-                "plain_ms_per_token": float(np.median(gaps["plain"]) * 1e3),
-                "record_ms_per_token": float(np.median(gaps["record"]) * 1e3),
-                "plain_runs_ms": [g * 1e3 for g in gaps["plain"]], "record_runs_ms": [g * 1e3 for g in gaps["record"]]}
+        reference = generated["plain"][0]
+        return {"mode": mode, "length": length, "tokens": tokens, "repeats": repeats,
+                **{f"{m}_ms_per_token": float(np.median(gaps[m]) * 1e3) for m in modes},
+                **{f"{m}_runs_ms": [g * 1e3 for g in gaps[m]] for m in modes},
+                **{f"{m}_same_tokens": all(t == reference for t in generated[m]) for m in modes}}
     before = _rss_mb()
     gaps = decode(mode)
     return {"mode": mode, "length": length, "real_prompt": real, "tokens": len(gaps) + 1,
@@ -123,6 +128,34 @@ def eager_prefill_gb(cfg, length: int) -> float:
     return cfg.num_hidden_layers * cfg.num_attention_heads * length * length * 4 / 2**30
 
 
+def fused_report(args, rows: list[dict]) -> None:
+    table = [[r["length"], r["plain_ms_per_token"], r["record_ms_per_token"] / r["plain_ms_per_token"],
+              r["record_fused_ms_per_token"] / r["plain_ms_per_token"], "yes" if r["record_same_tokens"] else "no",
+              "yes" if r["record_fused_same_tokens"] else "no"] for r in rows]
+    meta = _common.meta({"bench": "bench_lookback_fused", "model": args.model, "tokens": args.tokens,
+                         "repeats": args.repeats, "threads": 1})
+    text = "\n".join([
+        "### Recording in one pass on the CPU (bench_lookback.py --fused)\n",
+        (f"**Verdict:** with `recording(fused_output=True)` recording costs at most "
+         f"{max(r[3] for r in table):.3f}x plain generation per token (target <= 1.10x: "
+         f"{'met' if max(r[3] for r in table) <= 1.10 else 'NOT met'}); the default two-pass recording costs at most "
+         f"{max(r[2] for r in table):.3f}x in the same processes. Tokens equal to plain generation's: "
+         f"{'all' if all(r[5] == 'yes' for r in table) else 'NOT all'} with the fused output, "
+         f"{'all' if all(r[4] == 'yes' for r in table) else 'NOT all'} with the default.\n"),
+        (f"{args.model}, float32, one torch thread, {args.tokens} tokens decoded greedily after a KV cache filled to "
+         "the context length (as above); plain, record (SDPA's output, then the masses from a second read of the "
+         "keys) and record fused (one matmul with the keys, one softmax, the masses and the output = weights x V "
+         f"from it, no SDPA call) alternated in one process per length, {args.repeats} decodes each; median step "
+         f"gap. Same tokens: every decode's {args.tokens} tokens equal plain's first decode.\n"),
+        _common.markdown_table(["context", "plain ms/token", "record / plain", "fused / plain", "record same tokens",
+                                "fused same tokens"], table),
+        _common.footer(meta)])
+    print(text)
+    if not args.no_write:
+        _common.write_rows("bench_lookback_fused", rows, meta)
+        _common.update_results_md("bench_lookback_fused", text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,4096,16384")
@@ -130,6 +163,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="decodes per mode in the alternating timing process")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--fused", action="store_true",
+                   help="time plain, record and record with fused_output=True (one pass: the output from the "
+                        "masses' own softmax weights) alternated, and check their tokens against plain's")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -149,6 +185,9 @@ def main() -> None:
         return row
 
     lengths = [int(x) for x in args.lengths.split(",")]
+    if args.fused:
+        fused_report(args, [run("time_fused", length) for length in lengths])
+        return
     rows = []
     for length in lengths:
         rows.append(run("time", length))

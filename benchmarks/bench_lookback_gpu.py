@@ -164,7 +164,7 @@ def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = 
                         model.set_attn_implementation("sdpa")
                 elif how.startswith("record"):
                     with recording(model, L, chunks, use_kernel=how != "record_two_pass",
-                                   kernel_output=how == "record_fused") as rec:
+                                   fused_output=how == "record_fused") as rec:
                         seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
                     assert len(rec.masses) == tokens - 1
                 else:
@@ -320,7 +320,7 @@ def report(paths: list[str], write: bool) -> None:
          f"0.5B's configuration and random weights, bfloat16, {gen[0]['tokens']} "
          f"tokens greedily after the prompt; median step gap over {gen[0]['repeats']} decodes per mode (modes "
          "alternated); peak = torch.cuda.max_memory_allocated during the generate call (prefill included). "
-         "record = SDPA's output + the kernel's masses (default); fused = `recording(kernel_output=True)`; "
+         "record = SDPA's output + the kernel's masses (default); fused = `recording(fused_output=True)`; "
          "two-pass = masses in torch. Same tokens: every decode of the mode equals plain's first decode (token "
          "index of the first difference otherwise):\n"),
         _common.markdown_table(["prompt", "plain ms/token", "record / plain", "fused / plain", "two-pass / plain",

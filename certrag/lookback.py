@@ -14,8 +14,8 @@ How: an attention function registered with transformers' AttentionInterface unde
 receives every attention call of generate(). It delegates the output to transformers' SDPA function (so recording
 changes no token) and, on decode calls, computes the span masses sum_{j in S} a_j for the spans [prompt, new,
 chunk_1..chunk_n]: on the CPU with one grouped-query matmul, a softmax and a sum per span (span_masses); on CUDA
-with the Triton kernel (certrag.kernels.lookback), masses only, or output and masses in one pass when asked
-(recording(kernel_output=True)).
+with the Triton kernel (certrag.kernels.lookback); with recording(fused_output=True) the output comes from the same
+pass as the masses instead of from SDPA.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ _state = threading.local()
 _registered = False
 
 
-def span_masses(q, k, starts, ends, scale: float, attention_mask=None):
-    """sum of softmax weights over each span, for one query row per head: float32 (B, Hq, S).
+def span_masses(q, k, starts, ends, scale: float, attention_mask=None, v=None):
+    """sum of softmax weights over each span, for one query row per head: float32 (B, Hq, S); with v (B, Hkv, L, D)
+    also the attention output from the same weights, (masses, out (B, Hq, D) in q's dtype).
 
     q: (B, Hq, D); k: (B, Hkv, L, D) with Hq % Hkv == 0; starts / ends: (S,) or (B, S) with 0 <= start <= end <= L;
     attention_mask: optional additive float or boolean (keep = True) mask broadcastable to (B, 1, L).
@@ -56,13 +57,20 @@ def span_masses(q, k, starts, ends, scale: float, attention_mask=None):
     starts = torch.as_tensor(starts).cpu()
     ends = torch.as_tensor(ends).cpu()
     if starts.numel() == 0:
-        return w.new_zeros(B, HQ, 0)
-    if starts.dim() == 2 and bool((starts == starts[:1]).all() and (ends == ends[:1]).all()):
-        starts, ends = starts[0], ends[0]  # the same spans for every sequence
-    if starts.dim() == 1:
-        return torch.stack([w[..., a:b].sum(-1) for a, b in zip(starts.tolist(), ends.tolist())], dim=-1)
-    return torch.stack([torch.stack([w[i, :, a:b].sum(-1) for a, b in zip(starts[i].tolist(), ends[i].tolist())], -1)
-                        for i in range(B)])
+        masses = w.new_zeros(B, HQ, 0)
+    else:
+        if starts.dim() == 2 and bool((starts == starts[:1]).all() and (ends == ends[:1]).all()):
+            starts, ends = starts[0], ends[0]  # the same spans for every sequence
+        if starts.dim() == 1:
+            masses = torch.stack([w[..., a:b].sum(-1) for a, b in zip(starts.tolist(), ends.tolist())], dim=-1)
+        else:
+            masses = torch.stack([torch.stack([w[i, :, a:b].sum(-1) for a, b in zip(starts[i].tolist(),
+                                                                                  ends[i].tolist())], -1)
+                                  for i in range(B)])
+    if v is None:
+        return masses
+    out = torch.matmul(w.reshape(B, HKV, group, L), v.float())  # (B, Hkv, G, D)
+    return masses, out.reshape(B, HQ, D).to(q.dtype)
 
 
 def _lookback_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -80,15 +88,19 @@ def _lookback_attention(module, query, key, value, attention_mask, dropout: floa
 
         starts, ends = rec.spans(L, query.device)  # valid by construction (Recording checks the chunk spans):
         out, mass = lookback_attention(q, key, value, starts, ends, scale, check_spans=False,  # no device sync
-                                       with_output=rec.kernel_output)
+                                       with_output=rec.fused_output)
         rec.add(module.layer_idx, mass)
         if out is not None:
             return out[:, None, :, :], None  # (B, 1, Hq, D): transformers' (batch, q_len, heads, dim)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    starts, ends = rec.spans(L, None if not query.is_cuda else query.device)
+    if rec.fused_output and dropout == 0.0:  # one pass: the output from the weights the masses come from
+        mass, out = span_masses(q, key, starts, ends, scale, attention_mask, v=value)
+        rec.add(module.layer_idx, mass)
+        return out[:, None, :, :], None  # (B, 1, Hq, D): transformers' (batch, q_len, heads, dim)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  **kwargs)
-    starts, ends = rec.spans(L, None if not query.is_cuda else query.device)
     rec.add(module.layer_idx, span_masses(q, key, starts, ends, scale, attention_mask))
     return out
 
@@ -115,7 +127,7 @@ class Recording:
     [prompt, new, chunk_1 .. chunk_n], and kv_lengths[step] the cache length at that step."""
 
     def __init__(self, prompt_len: int, chunk_spans: list[tuple[int, int]], num_layers: int,
-                 use_kernel: bool = True, kernel_output: bool = False) -> None:
+                 use_kernel: bool = True, fused_output: bool = False) -> None:
         import torch
 
         for a, b in chunk_spans:
@@ -125,7 +137,7 @@ class Recording:
         self.chunk_spans = list(chunk_spans)
         self.num_layers = num_layers
         self.use_kernel = use_kernel
-        self.kernel_output = kernel_output
+        self.fused_output = fused_output
         self._starts = torch.tensor([0, prompt_len] + [a for a, _ in chunk_spans], dtype=torch.long)
         self._ends_fixed = torch.tensor([prompt_len, 0] + [b for _, b in chunk_spans], dtype=torch.long)
         self._step: dict[int, object] = {}
@@ -225,18 +237,19 @@ def lookback_features(masses: list[np.ndarray], prompt_len: int, chunk_spans: li
 
 @contextlib.contextmanager
 def recording(model, prompt_len: int, chunk_spans: list[tuple[int, int]], *, use_kernel: bool = True,
-              kernel_output: bool = False):
+              fused_output: bool = False):
     """Within the block, model's attention records span masses on every decode step into the yielded Recording
     (this thread only). The model's attention implementation is restored afterwards.
 
-    On CUDA the masses come from the Triton kernel (use_kernel=False: from torch, as on the CPU) and the output from
-    SDPA, so the tokens are plain generation's. kernel_output=True takes the output from the kernel's same pass
-    instead of calling SDPA too: one read of the cache instead of two, but its float rounding differs from SDPA's,
+    The output comes from SDPA, so the tokens are plain generation's, and the masses from a second read of the keys:
+    the Triton kernel on CUDA (use_kernel=False: torch, as on the CPU), span_masses on the CPU. fused_output=True
+    takes the output from the pass that computes the masses instead (the kernel's on CUDA, the same softmax
+    weights times V on the CPU): one read of the cache instead of two, but its float rounding differs from SDPA's,
     so a near tie between two tokens can go the other way."""
     name = register()
     previous = model.config._attn_implementation
     rec = Recording(prompt_len, chunk_spans, model.config.num_hidden_layers, use_kernel=use_kernel,
-                    kernel_output=kernel_output)
+                    fused_output=fused_output)
     model.set_attn_implementation(name)
     _state.recording = rec
     try:

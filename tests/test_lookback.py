@@ -49,12 +49,13 @@ def _eager_oracle(model, prompt, n, P, chunks):
     return np.stack(oracle), out
 
 
-def test_recording_keeps_tokens_and_matches_output_attentions(tiny):
+@pytest.mark.parametrize("fused_output", [False, True])
+def test_recording_keeps_tokens_and_matches_output_attentions(tiny, fused_output):
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, 97, (1, 41), generator=g)
     P, chunks, n = 41, [(5, 12), (12, 30), (33, 33)], 9
     plain = _generate(tiny, prompt, n)
-    with recording(tiny, P, chunks) as rec:
+    with recording(tiny, P, chunks, fused_output=fused_output) as rec:
         recorded = _generate(tiny, prompt, n)
     assert torch.equal(plain, recorded)
     assert tiny.config._attn_implementation == "sdpa"  # restored
@@ -76,8 +77,8 @@ def test_recording_keeps_tokens_and_matches_output_attentions(tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the fused Triton kernel path")
-@pytest.mark.parametrize("kernel_output", [False, True])
-def test_recording_on_cuda_uses_the_kernel(tiny, monkeypatch, kernel_output):
+@pytest.mark.parametrize("fused_output", [False, True])
+def test_recording_on_cuda_uses_the_kernel(tiny, monkeypatch, fused_output):
     import copy
 
     import certrag.kernels.lookback as kernel
@@ -90,7 +91,7 @@ def test_recording_on_cuda_uses_the_kernel(tiny, monkeypatch, kernel_output):
     prompt = torch.randint(1, 97, (1, 300), generator=g).cuda()
     P, chunks, n = 300, [(10, 90), (90, 250), (260, 260)], 12
     plain = _generate(model, prompt, n)
-    with recording(model, P, chunks, kernel_output=kernel_output) as rec:
+    with recording(model, P, chunks, fused_output=fused_output) as rec:
         recorded = _generate(model, prompt, n)
     assert len(calls) == (n - 1) * model.config.num_hidden_layers  # every decode call of every layer
     assert torch.equal(plain, recorded)

@@ -148,6 +148,11 @@ def test_cpu_path_matches_reference():
         _, ref2 = lookback_reference(q, k, v, starts2, ends2)
         torch.testing.assert_close(span_masses(q, k, starts2, ends2, 1 / math.sqrt(64)), ref2, atol=2e-6, rtol=1e-5)
         assert span_masses(q, k, torch.zeros(0), torch.zeros(0), 0.125).shape == (2, 2 * group, 0)
+        # With v: the output of the same weights (the fused recording's one pass).
+        ref_out, _ = lookback_reference(q, k, v, starts, ends)
+        masses, out = span_masses(q, k, starts, ends, 1 / math.sqrt(64), v=v)
+        torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(masses, got, atol=0, rtol=0)
     # A short span at the end of a long cache keeps its precision (summed from its own weights).
     q, k, v = [t.cpu().double() for t in _inputs(1, 4, 1, 50000, 32, torch.float32, 3)]
     starts, ends = torch.tensor([0, 49990, 123]), torch.tensor([50000, 49993, 124])
