@@ -7,7 +7,9 @@ for plain and chain_of_note. Reported: EM, F1, reject rate, input/output tokens,
 certrag.cost) and cost-efficiency (EM / cost), latency p50; and one question end to end with each stage's share.
 
 Generation is slow on 2 cores (about 6 tokens/s per core), so questions are sharded over --workers processes of one
-torch thread each.
+torch thread each, each pinned to its own core; each worker answers every condition of a question before the next
+and appends each row to its shard file in benchmarks/data/ (--resume continues a run, --report-only summarises the
+complete questions so far).
 
     python benchmarks/bench_qa.py --questions 200 --workers 2
 """
@@ -137,12 +139,40 @@ def main() -> None:
     total = sum(stages.values())
     meta = _common.meta({"bench": "bench_qa", "model": args.model, "dtype": args.dtype, "questions": len(complete),
                          "questions_asked": args.questions, "end_to_end_ms": stages})
+    by = {(x["strategy"], x["noise_ratio"]): x for x in summaries}
+
+    def em(label, noise):
+        x = by.get((label, noise))
+        return f"{x['em']:.3f}" if x and x["n"] else "n/a"
+
+    def paired(a, b):  # questions where one strategy is right and the other wrong (same questions, same passages)
+        ca = [i for i, (l, _, n) in enumerate(conditions) if (l, n) == a]
+        cb = [i for i, (l, _, n) in enumerate(conditions) if (l, n) == b]
+        if not ca or not cb:
+            return "n/a"
+        wins = sum(by_q[q][ca[0]]["em"] > by_q[q][cb[0]]["em"] for q in complete)
+        losses = sum(by_q[q][ca[0]]["em"] < by_q[q][cb[0]]["em"] for q in complete)
+        return f"{wins} / {losses}"
+
     text = "\n".join([
         "### Answering strategies (bench_qa.py)\n",
-        f"{args.model}, greedy, NQ-open test questions (first {args.questions}), store of bench_retrieval.py; costs "
-        f"use certrag's placeholder price table (0.10 / 0.40 per million input / output tokens), so only ratios "
-        f"between strategies mean anything. 'retrieved' = the engine's reranked, gradient-selected passages; "
-        f"0.0 / 0.5 / 1.0 = Chain-of-Note's noise protocol with k = 5.\n",
+        (f"**Verdict ({len(complete)} questions, every condition on each):** on the engine's own retrieval EM is "
+         f"plain {em('plain', None)}, chain_of_note {em('chain_of_note', None)}, feedback(plain) "
+         f"{em('feedback', None)}; under the noise protocol (k = 5) plain {em('plain', 0.0)} / {em('plain', 0.5)} / "
+         f"{em('plain', 1.0)} and chain_of_note {em('chain_of_note', 0.0)} / {em('chain_of_note', 0.5)} / "
+         f"{em('chain_of_note', 1.0)} at noise 0 / 0.5 / 1. Questions chain_of_note gets right and plain wrong / the "
+         f"reverse: {paired(('chain_of_note', None), ('plain', None))} (retrieved), "
+         f"{paired(('chain_of_note', 0.5), ('plain', 0.5))} (noise 0.5).\n"),
+        (f"{args.model} in {args.dtype} (bfloat16 prefills about 2x faster here than float32; the earlier pilot "
+         f"was float32), greedy; NQ-open test questions (the first {args.questions}, {len(complete)} complete), "
+         "store of bench_retrieval.py. Chain-of-Note runs per passage (a batched one-line note per passage, the "
+         "answer from the passages not noted irrelevant, 'unknown' without a call when every passage is): the "
+         "paper's one-call layout is ignored by this reader (pilot: 20 of 20 answers without notes). Costs use "
+         "certrag's placeholder price table (0.10 / 0.40 per million input / output tokens), so only ratios between "
+         "strategies mean anything. 'retrieved' = the engine's reranked, gradient-selected passages; 0.0 / 0.5 / 1.0 "
+         "= Chain-of-Note's noise protocol with k = 5 (relevant passages: the gold one and retrieved ones holding an "
+         "answer, as many as exist up to k(1-r); the rest hard negatives). p50 s = per answer, two workers on two "
+         "cores, one torch thread each.\n"),
         markdown(summaries),
         f"\nOne question end to end ({total:.0f} ms): " + ", ".join(
             f"{k} {v:.0f} ms ({v / total:.0%})" for k, v in stages.items()) + ".\n",
