@@ -6,7 +6,12 @@ generated tokens), the softmax mass sum_{j in span} a_j. It is the online softma
 with extra accumulators: each program keeps a running maximum m, the running denominator l, the output accumulator
 and one accumulator per span, and rescales all of them by exp(m_old - m_new) when the maximum grows, so no attention
 row or matrix is ever written to memory. Long contexts are split over the KV length (flash-decoding): each split
-writes (m, l, acc, span sums) and a small reduction combines the splits with the same rescaling.
+writes (m, l, acc, span sums) and a second small kernel combines the splits with the same rescaling.
+
+Two layouts: one program per query head (per_head), or one per KV head holding its whole group of query heads
+(per_group, the default for grouped-query attention): each K / V tile is then read once for the group and the
+scores, output and span sums are matrix products (tensor cores for 16-bit inputs). With with_output=False only the
+masses are computed and V is never read (for callers that take the output from SDPA).
 
 Shapes (B batch, Hq query heads, Hkv key/value heads with Hq % Hkv == 0, L cached positions, D head dim, S spans):
     q: (B, Hq, D); k, v: (B, Hkv, L, D), any strides; float16, bfloat16 or float32 on a CUDA device.
