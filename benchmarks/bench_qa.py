@@ -41,14 +41,21 @@ def _strategy(name: str):
     return name
 
 
-def _shard_path(args, shard: int) -> Path:
-    return _common.DATA_DIR / f"bench_qa-{args.model}-{args.dtype}-{args.questions}q-shard{shard}of{args.workers}.jsonl"
+def _shard_path(args, shard: int, reverse: bool = False) -> Path:
+    return _common.DATA_DIR / (f"bench_qa-{args.model}-{args.dtype}-{args.questions}q-shard{shard}of{args.workers}"
+                               f"{'-rev' if reverse else ''}.jsonl")
+
+
+def _shard_records(args, shard: int) -> list[dict]:
+    """The rows of a shard: its own file and the one a helper wrote working from the shard's end (--reverse)."""
+    paths = [_shard_path(args, shard), _shard_path(args, shard, reverse=True)]
+    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
 
 
 def worker(args) -> None:
     """Question-major: every condition of a question before the next question, each row appended to the shard's
     JSONL file as it is done (so a run cut short leaves complete, paired questions; --resume continues it)."""
-    _common.pin_threads(1, offset=args.shard)  # one core per worker
+    _common.pin_threads(1, offset=args.shard if args.core is None else args.core)  # one core per worker
     from _nq import cached_embedder, nq_store
 
     from certrag.eval.nq import load_nq_open
@@ -59,15 +66,16 @@ def worker(args) -> None:
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model, dtype=args.dtype)
     indexed = list(enumerate(load_nq_open(split="test")[: args.questions]))[args.shard::args.workers]
-    path = _shard_path(args, args.shard)
-    done = set()
-    if path.exists():
-        done = {(r["q"], r["condition"]) for r in map(json.loads, path.read_text().splitlines())}
+    if args.reverse:  # a helper taking a slow shard's questions from its end
+        indexed = indexed[::-1]
+    path = _shard_path(args, args.shard, args.reverse)
+    done = {(r["q"], r["condition"]) for r in _shard_records(args, args.shard)}
     with path.open("a") as out:
         for qi, item in indexed:
             retrievals = {}  # the noise conditions of one question share its retrieval
             for c, (label, strategy, noise) in enumerate(CONDITIONS[: args.conditions]):
-                if (qi, c) in done:
+                if (qi, c) in done or (args.reverse and (qi, c) in {(r["q"], r["condition"])
+                                                                     for r in _shard_records(args, args.shard)}):
                     continue
                 row = evaluate(engine, [item], _strategy(strategy), noise_ratio=noise, progress=False,
                                retrievals=retrievals)["rows"][0]
@@ -88,6 +96,8 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true", help="summarise the shard files as they are")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reverse", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.shard is not None:
         worker(args)
@@ -102,6 +112,7 @@ def main() -> None:
         if not args.resume:
             for i in range(args.workers):
                 _shard_path(args, i).unlink(missing_ok=True)
+                _shard_path(args, i, reverse=True).unlink(missing_ok=True)
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # build it once, before the workers
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), "--workers", str(args.workers),
                                    "--questions", str(args.questions), "--conditions", str(args.conditions),
@@ -109,8 +120,7 @@ def main() -> None:
         for proc in procs:
             if proc.wait() != 0:
                 raise SystemExit(f"a worker failed with exit code {proc.returncode}")
-    records = [json.loads(line) for i in range(args.workers) if _shard_path(args, i).exists()
-               for line in _shard_path(args, i).read_text().splitlines()]
+    records = [r for i in range(args.workers) for r in _shard_records(args, i)]
     conditions = CONDITIONS[: args.conditions]
     by_q: dict[int, dict[int, dict]] = {}
     for r in records:
