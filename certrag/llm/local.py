@@ -118,26 +118,11 @@ class LocalLLM:
             ids = ids + self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
         started = time.perf_counter()
         with self._lock, torch.inference_mode(), self._recording(len(ids), spans) as rec:
-            previous = torch.get_num_threads()
-            torch.set_num_threads(self.num_threads)
-            try:
-                kwargs = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0,
-                          "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}
-                if temperature > 0:
-                    kwargs["temperature"] = temperature
-                    torch.manual_seed(0 if seed is None else seed)
-                else:
-                    kwargs.update(temperature=None, top_p=None, top_k=None)
-                out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                          output_scores=True, return_dict_in_generate=True, **kwargs)
-            finally:
-                torch.set_num_threads(previous)
+            out = self._decode(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), max_new_tokens,
+                               temperature, seed, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
         new = out.sequences[0, len(ids):].tolist()
-        logprob = float(torch.stack([torch.log_softmax(s[0].float(), -1)[t] for s, t in zip(out.scores, new)]).mean()
-                        ) if new else float("nan")
-        eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-        finish = "stop" if new and new[-1] in eos else "length"
+        logprob = self._mean_logprob(out.scores, 0, new)
+        finish = "stop" if new and new[-1] in self._eos_ids() else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(text=text.strip(), input_tokens=len(ids), output_tokens=len(new),
                           seconds=time.perf_counter() - started, finish_reason=finish,
@@ -161,8 +146,7 @@ class LocalLLM:
             return [self.generate(m, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
                     for m in messages_list]
         torch = self._torch
-        eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
         prompts = [self.prompt_ids(m) for m in messages_list]
         results: list[Generation] = []
@@ -173,31 +157,47 @@ class LocalLLM:
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             started = time.perf_counter()
             with self._lock, torch.inference_mode():
-                previous = torch.get_num_threads()
-                torch.set_num_threads(self.num_threads)
-                try:
-                    kwargs = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0, "pad_token_id": pad}
-                    if temperature > 0:
-                        kwargs["temperature"] = temperature
-                        torch.manual_seed(0 if seed is None else seed)
-                    else:
-                        kwargs.update(temperature=None, top_p=None, top_k=None)
-                    out = self.model.generate(ids, attention_mask=mask, output_scores=True,
-                                              return_dict_in_generate=True, **kwargs)
-                finally:
-                    torch.set_num_threads(previous)
+                out = self._decode(ids, mask, max_new_tokens, temperature, seed, pad)
             seconds = time.perf_counter() - started
             for row, prompt in enumerate(batch):
                 new = out.sequences[row, width:].tolist()
                 stop = next((i for i, t in enumerate(new) if t in eos), None)
                 new = new if stop is None else new[:stop + 1]  # what follows the end of sequence is padding
-                logprob = float(torch.stack([torch.log_softmax(s[row].float(), -1)[t]
-                                             for s, t in zip(out.scores, new)]).mean()) if new else float("nan")
+                logprob = self._mean_logprob(out.scores, row, new)
                 results.append(Generation(
                     text=self.tokenizer.decode(new, skip_special_tokens=True).strip(), input_tokens=len(prompt),
                     output_tokens=len(new), seconds=seconds, finish_reason="stop" if stop is not None else "length",
                     mean_logprob=logprob))
         return results
+
+    def _decode(self, ids, mask, max_new_tokens: int, temperature: float, seed: int | None, pad: int):
+        """model.generate on `num_threads` threads (restored after): greedy, or seeded sampling when temperature >
+        0; the caller holds the lock and inference mode."""
+        torch = self._torch
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            kwargs = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0, "pad_token_id": pad}
+            if temperature > 0:
+                kwargs["temperature"] = temperature
+                torch.manual_seed(0 if seed is None else seed)
+            else:
+                kwargs.update(temperature=None, top_p=None, top_k=None)
+            return self.model.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True,
+                                       **kwargs)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _eos_ids(self) -> set:
+        eos = self.model.generation_config.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+
+    def _mean_logprob(self, scores, row: int, new: list[int]) -> float:
+        """Mean log-probability of the generated tokens of one row under generate()'s processed scores."""
+        torch = self._torch
+        if not new:
+            return float("nan")
+        return float(torch.stack([torch.log_softmax(s[row].float(), -1)[t] for s, t in zip(scores, new)]).mean())
 
     def _recording(self, prompt_len: int, spans):
         import contextlib
