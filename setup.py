@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -42,7 +42,8 @@ setup(
     ext_modules=[CMakeExtension("certrag._core")],
     cmdclass={"build_ext": CMakeBuild},
     package_dir={"certrag": "certrag", "certrag.kernels": "kernels"},
-    packages=["certrag", "certrag.segment", "certrag.eval", "certrag.llm", "certrag.kernels"],
+    packages=[*find_packages(include=["certrag", "certrag.*"]), "certrag.kernels"],
     package_data={"certrag.segment": ["data/*.safetensors", "data/*.json"],
-                  "certrag": ["reranker/*.json", "reranker/*.safetensors", "factuality/*.json"]},
+                  "certrag.certify": ["models/*.json"],
+                  "certrag": ["_core.pyi", "reranker/*.json", "reranker/*.safetensors"]},
 )

@@ -16,7 +16,7 @@ def nq_config():
 def nq_store(embedder, reranker):
     """Opens (or builds) the store of NQ-open gold passages + Wikipedia leads, chunked one passage per chunk."""
     from certrag.engine import Engine
-    from certrag.eval.corpus import retrieval_corpus
+    from certrag.data.corpora import retrieval_corpus
 
     corpus = retrieval_corpus()
     config = nq_config()
@@ -32,13 +32,13 @@ def nq_store(embedder, reranker):
 
 def cached_embedder():
     from certrag.embed import Embedder, EmbeddingCache
-    from certrag.segment.train import cache_dir
+    from certrag.home import certrag_home
 
-    return Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    return Embedder(cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"))
 
 
 def cached_retrievals(engine, reranker, questions: list[str], candidates: int, name: str) -> list:
-    """engine.retrieve for every question keeping all `candidates` (reranked), saved under benchmarks/data/<name>
+    """engine.retrieve_batch for every question keeping all `candidates` (reranked), saved under benchmarks/data/<name>
     and reused while the questions, candidate count, reranker and store size are unchanged."""
     import json
     import sys
@@ -61,7 +61,7 @@ def cached_retrievals(engine, reranker, questions: list[str], candidates: int, n
                               rerank_scores=np.array(r["rerank"], dtype=np.float32), selected=len(r["ids"]))
                     for r in blob["results"]]
     t0 = time.perf_counter()
-    results = engine.retrieve(list(questions), candidates=candidates, selector=TopKSelector(k=candidates))
+    results = engine.retrieve_batch(list(questions), candidates=candidates, selector=TopKSelector(k=candidates))
     print(f"retrieved {len(questions)} questions in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     saved.parent.mkdir(parents=True, exist_ok=True)
     tmp = saved.with_name(saved.name + ".tmp")

@@ -2,7 +2,7 @@
 
 Store: the NQ-open gold passages + Wikipedia leads of bench_retrieval.py (one chunk per passage), 20 reranked
 candidates per question. A candidate is correct when it is the question's gold passage or holds a gold answer
-(RougeL recall >= 0.8; certrag.conformal.ChunkJudge). Two retrievers: the default (cross-encoder, its fused
+(RougeL recall >= 0.8; certrag.certify.calibration.ChunkJudge). Two retrievers: the default (cross-encoder, its fused
 logit as the score) and the bi-encoder alone (the cosine over the same candidates, re-sorted).
 
 For alpha in {0.05, 0.1, 0.2}: s_thres from the 533 calibration questions; on the 1,081 test questions the empirical
@@ -39,10 +39,10 @@ def main() -> None:
 
     import numpy as np
 
-    from certrag.conformal import (CalibrationItem, ChunkJudge, ScoredItems, calibrated_scores, coverage_sweep,
-                                   diagnose, plot_sweep, threshold)
+    from certrag.certify.calibration import CalibrationItem, ChunkJudge, coverage_sweep, plot_sweep
+    from certrag.certify.conformal import ScoredItems, calibrated_scores, diagnose, threshold
     from certrag.eval.metrics import exact_match, f1_score
-    from certrag.eval.nq import load_nq_open
+    from certrag.data.nq import load_nq_open
     from certrag.rerank import CrossEncoderReranker
 
     from _nq import cached_embedder, cached_retrievals, nq_store

@@ -1,6 +1,6 @@
 """How well lookback ratios predict whether an answer is right: AUROC of the factuality classifier and baselines.
 
-Data (certrag.factuality): the bundled reader answers NQ-open questions from 3 passages each (the gold passage for
+Data (certrag.train.factuality): the bundled reader answers NQ-open questions from 3 passages each (the gold passage for
 half of them, MiniLM-nearest other NQ gold passages as distractors), recording lookback ratios; label = a gold answer
 is contained in the normalised answer. Train: the NQ-open train split (the examples `certrag train-factuality`
 saved); held-out dataset: the first --test-questions of the test split, answered here the same way.
@@ -37,9 +37,9 @@ def main() -> None:
 
     import numpy as np
 
-    from certrag.eval.nq import load_nq_open
-    from certrag.factuality import auroc, collect, fit, load_examples, save_examples
-    from certrag.segment.train import cache_dir
+    from certrag.data.nq import load_nq_open
+    from certrag.train.factuality import auroc, collect, fit, load_examples, save_examples
+    from certrag.home import certrag_home
 
     def examples(split: str, n: int, path: Path) -> dict:
         items = load_nq_open(split=split)[:n]
@@ -57,7 +57,7 @@ def main() -> None:
         return data
 
     train = examples("train", args.train_questions,
-                     cache_dir() / f"factuality-train-{args.model}-{args.train_questions}-k3.safetensors")
+                     certrag_home() / f"factuality-train-{args.model}-{args.train_questions}-k3.safetensors")
     test = examples("test", args.test_questions,
                     _common.DATA_DIR / f"factuality-test-{args.model}-{args.test_questions}-k3.safetensors")
 

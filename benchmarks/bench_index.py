@@ -10,7 +10,7 @@ latency. Each library runs in its own subprocess, pinned to the same CPUs, on th
 - usearch Index (expansion_search set per sweep point)
 - numpy exact search (matmul + argpartition): the recall oracle and the brute-force baseline
 
-Data: clustered, normalised, low-intrinsic-dimension vectors shaped like sentence embeddings (certrag.datasets);
+Data: clustered, normalised, low-intrinsic-dimension vectors shaped like sentence embeddings (certrag.data.vectors);
 uniform random vectors make every HNSW look broken (recall ~0.42 even at ef=512).
 
     python benchmarks/bench_index.py                  # 100k x 384, 1000 queries, 2 threads
@@ -123,7 +123,7 @@ def run_worker(args) -> None:
         sys.path.insert(0, str(NONNATIVE_DIR))
     import numpy as np
 
-    from certrag.datasets import recall_at_k
+    from certrag.data.vectors import recall_at_k
 
     data = np.load(args.data)
     base, queries, truth = data["base"], data["queries"], data["truth"]
@@ -169,7 +169,7 @@ def run_worker(args) -> None:
 def prepare_data(n, dim, n_queries, k, seed) -> Path:
     import numpy as np
 
-    from certrag.datasets import clustered_vectors, exact_search
+    from certrag.data.vectors import clustered_vectors, exact_search
 
     path = _common.DATA_DIR / f"index_{n}_{dim}_{n_queries}_{seed}.npz"
     if not path.exists():
@@ -189,7 +189,7 @@ def summarise(rows, args) -> str:
             by_lib.setdefault(r["library"], []).append(r)
     m = rows[0]["params"]
     lines = ["### HNSW index (bench_index.py)\n",
-             f"{m['n']:,} clustered unit vectors of dimension {m['dim']} (certrag.datasets), {m['queries']} queries, "
+             f"{m['n']:,} clustered unit vectors of dimension {m['dim']} (certrag.data.vectors), {m['queries']} queries, "
              f"recall@10 against exact search, M={m['M']}, ef_construction={m['ef_construction']}, "
              f"{m['threads']} threads for build and batch search, 1 thread per single query; batch time is the "
              f"median of {args.repeats} runs after a warm-up; single-query latency over {args.single_queries} "

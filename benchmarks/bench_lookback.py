@@ -4,7 +4,7 @@ Model: the bundled Qwen2.5-Coder-0.5B-Instruct (float32, one torch thread: MODEL
 (1k, 4k, 16k tokens) the KV cache is filled to that length and 128 tokens are decoded greedily (min_new_tokens =
 max_new_tokens = 128), with
   plain:  transformers' SDPA attention (the default);
-  record: certrag's recording attention (certrag.lookback: SDPA output plus span masses for the prompt, the
+  record: certrag's recording attention (certrag.certify.lookback: SDPA output plus span masses for the prompt, the
           generated tokens and 8 chunk spans, every layer and head, every step).
 Time per token is the median gap between consecutive decode steps (a logits processor stamps each step); peak
 memory is the process's peak resident set size, and its growth during decoding. Each (length, mode) runs in its own
@@ -54,7 +54,7 @@ def worker(mode: str, length: int, tokens: int, model_name: str, real: bool, rep
     from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
     from certrag.llm import LocalLLM
-    from certrag.lookback import recording
+    from certrag.certify.lookback import recording
 
     llm = LocalLLM(model_name)
     model, cfg = llm.model, llm.model.config
@@ -74,7 +74,7 @@ def worker(mode: str, length: int, tokens: int, model_name: str, real: bool, rep
 
     def inputs():
         if real:  # a real prompt, prefilled by generate itself (the Lookback Lens comparison)
-            from certrag.eval.corpus import retrieval_corpus
+            from certrag.data.corpora import retrieval_corpus
 
             text = " ".join(d.text for d in retrieval_corpus()[:400])
             return torch.tensor([llm.tokenizer(text, add_special_tokens=False)["input_ids"][:length]]), {}

@@ -58,7 +58,7 @@ def attention_part(lengths, batches, spans: int, dev: str) -> list[dict]:
     import torch.nn.functional as F
 
     from certrag.kernels.lookback import lookback_attention, lookback_reference
-    from certrag.lookback import span_masses
+    from certrag.certify.lookback import span_masses
 
     rows, timer = [], _timer(dev)
     for layout, (hq, hkv, d) in LAYOUTS.items():
@@ -124,7 +124,7 @@ def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = 
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
 
-    from certrag.lookback import recording
+    from certrag.certify.lookback import recording
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -1,6 +1,6 @@
 """Answering quality and cost: plain RAG, Chain-of-Note and SAGE's feedback loop with the bundled reader.
 
-On NQ-open test questions (certrag.eval.nq) over the store of bench_retrieval.py (gold passages + Wikipedia leads),
+On NQ-open test questions (certrag.data.nq) over the store of bench_retrieval.py (gold passages + Wikipedia leads),
 with the bundled Qwen2.5-Coder-0.5B-Instruct: plain vs chain_of_note vs feedback(plain) on the engine's own
 retrieval, and Chain-of-Note's noise protocol (Yu et al., 2023, Table 3: k = 5 passages, noise ratios 0, 0.5, 1.0)
 for plain and chain_of_note. Reported: EM, F1, reject rate, input/output tokens, cost (placeholder price table,
@@ -58,7 +58,7 @@ def worker(args) -> None:
     _common.pin_threads(1, offset=args.shard if args.core is None else args.core)  # one core per worker
     from _nq import cached_embedder, nq_store
 
-    from certrag.eval.nq import load_nq_open
+    from certrag.data.nq import load_nq_open
     from certrag.eval.qa import evaluate
     from certrag.llm import LocalLLM
     from certrag.rerank import CrossEncoderReranker
@@ -135,7 +135,7 @@ def main() -> None:
 
     # One question end to end, with each stage's share.
     _common.pin_threads(1)
-    from certrag.eval.nq import load_nq_open
+    from certrag.data.nq import load_nq_open
     from certrag.llm import LocalLLM
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())

@@ -1,8 +1,8 @@
 """Retrieval quality and cost: dense vs reranked, and SAGE's gradient selection against fixed top-k.
 
-Corpus: the NQ-open gold passages plus 10k Wikipedia leads as distractors (certrag.eval.corpus), indexed with the
+Corpus: the NQ-open gold passages plus 10k Wikipedia leads as distractors (certrag.data.corpora), indexed with the
 sentence-packing chunker at 256 tokens so that a passage stays one chunk. Questions: the NQ-open test split
-(certrag.eval.nq; nothing here learns from them). A question's gold chunk is its gold passage's chunk.
+(certrag.data.nq; nothing here learns from them). A question's gold chunk is its gold passage's chunk.
 
 Reproduces the shape of SAGE's Figure 4 / Table 3 (Wang et al., 2025): recall of the key chunk against the tokens
 sent to the LLM, for fixed top-k (k = 1..10) and gradient selection over a grid of g, with autocut and top-p beside.
@@ -42,7 +42,7 @@ def main() -> None:
     from certrag.config import EngineConfig, RetrievalConfig
     from certrag.embed import Embedder
     from certrag.engine import Engine
-    from certrag.eval.nq import load_nq_open
+    from certrag.data.nq import load_nq_open
     from certrag.rerank import CrossEncoderReranker
     from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector, positive_scores
 

@@ -1,7 +1,7 @@
 """The engine at scale: indexing throughput on >= 10 MB of text, and retrieve() latency on a >= 100k-chunk store.
 
 Corpus: the Python 3.11 documentation (python3.11-doc, one document per page, paragraphs joined by blank lines) plus
-the NQ-open gold passages and the Wikipedia leads (certrag.eval.corpus): about 12.9 MB of text.
+the NQ-open gold passages and the Wikipedia leads (certrag.data.corpora): about 12.9 MB of text.
 
 1. Indexing throughput, no embedding cache: the whole corpus through the default engine (SAGE segmentation, MiniLM,
    native HNSW, atomic write), and through the sentence-packing chunker at 256 tokens as the cheap baseline.
@@ -30,8 +30,8 @@ PARTIAL = _common.DATA_DIR / "bench_scale_partial.json"
 
 def scale_corpus():
     from certrag.documents import Document
-    from certrag.eval.corpus import retrieval_corpus
-    from certrag.segment.train import pydoc_documents
+    from certrag.data.corpora import retrieval_corpus
+    from certrag.data.corpora import pydoc_documents
 
     docs = [Document(id=d.name, text="\n\n".join(d.paragraphs), metadata={"source": "pydoc"})
             for d in pydoc_documents()]
@@ -117,7 +117,7 @@ def main() -> None:
     _common.pin_threads(args.threads)
 
     from certrag.embed import Embedder
-    from certrag.eval.nq import load_nq_open
+    from certrag.data.nq import load_nq_open
     from certrag.rerank import CrossEncoderReranker
 
     _common.DATA_DIR.mkdir(parents=True, exist_ok=True)

@@ -84,14 +84,15 @@ def main() -> None:
     from certrag.segment import (FixedSizeChunker, PercentileSemanticChunker, Segmenter, SegmenterConfig,
                                  SentenceFixedChunker)
     from certrag.segment.sentences import split_sentences
-    from certrag.segment.train import Document, pydoc_documents, split_documents, wiki_documents
+    from certrag.data.corpora import ParagraphDocument, pydoc_documents, wiki_documents
+    from certrag.train.segmenter import split_documents
 
     embedder = Embedder.default()
     docs = []
     for name, source in (("wiki", wiki_documents()), ("pydoc", pydoc_documents())):
         _, held = split_documents(source)
         held = sorted(held, key=lambda d: d.name)[: args.docs]
-        docs += [(name, Document(d.name, d.paragraphs[: args.max_paragraphs])) for d in held]
+        docs += [(name, ParagraphDocument(d.name, d.paragraphs[: args.max_paragraphs])) for d in held]
 
     # Gold: sentence index of each paragraph start, in the text as the chunkers see it.
     items = []

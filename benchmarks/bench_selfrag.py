@@ -2,7 +2,7 @@
 
 Questions: the first --questions of the NQ-open test split (the same as bench_qa.py's first ones), the store of
 bench_retrieval.py, the bundled reader (greedy). Conditions, interleaved per question: plain and chain_of_note (the engine's
-default selection) and self_rag (certrag.selfrag.SelfRag: beam 2, depth 2, weights 1 / 1 / 0.5) at two adaptive-retrieval
+default selection) and self_rag (certrag.strategies.SelfRag: beam 2, depth 2, weights 1 / 1 / 0.5) at two adaptive-retrieval
 thresholds delta (0.2, Self-RAG's default, and 0.5). Reported: EM, F1, input / output tokens (the critic's forward
 passes count as input tokens), latency p50, and the retrieval rate (the share of questions where the first
 decision was to retrieve). Self-RAG's Table 2 compares the same way on PopQA / TriviaQA, with a 7B model trained
@@ -38,11 +38,11 @@ def main() -> None:
     import numpy as np
 
     from certrag.eval.metrics import exact_match, f1_score
-    from certrag.eval.nq import load_nq_open
+    from certrag.data.nq import load_nq_open
     from certrag.llm import LocalLLM
     from certrag.llm.prompts import Passage
     from certrag.rerank import CrossEncoderReranker
-    from certrag.selfrag import GROUPS, LABEL_WORDS, Critic, SelfRag
+    from certrag.strategies.self_rag import GROUPS, LABEL_WORDS, Critic, SelfRag
 
     from _nq import cached_embedder, nq_store
 

@@ -13,6 +13,10 @@ import click
 import numpy as np
 
 import certrag
+from certrag.data.splits import SPLITS
+from certrag.segment import CHUNKERS
+from certrag.select import SELECTORS
+from certrag.strategies import STRATEGY_NAMES
 
 log = logging.getLogger("certrag")
 
@@ -54,9 +58,9 @@ def demo(store: Path | None, passages: int, distractors: int, questions: int) ->
     test questions with the bundled reader, showing the selected chunks, tokens, cost and timings."""
     from certrag.documents import Document
     from certrag.engine import Engine
-    from certrag.eval.corpus import wiki_leads
-    from certrag.eval.nq import load_nq_open, passage_text
-    from certrag.segment.train import cache_dir
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import load_nq_open, passage_text
+    from certrag.home import certrag_home
 
     for option, value in (("--passages", passages), ("--questions", questions)):
         if value < 1:
@@ -72,7 +76,7 @@ def demo(store: Path | None, passages: int, distractors: int, questions: int) ->
         if text not in seen:
             seen.add(text)
             docs.append(Document(id=f"wiki:{title}", text=text, metadata={"title": title}))
-    store = store or cache_dir() / f"demo-store-{passages}-{distractors}"
+    store = store or certrag_home() / f"demo-store-{passages}-{distractors}"
     t0 = time.perf_counter()
     if (store / "CURRENT").exists():
         engine = Engine.open(store)
@@ -120,7 +124,7 @@ def demo_index(n: int, dim: int, queries: int, k: int, ef: int, out: Path | None
 
     Reports recall@k against exact search and the search latency.
     """
-    from certrag.datasets import clustered_vectors, exact_search, recall_at_k
+    from certrag.data.vectors import clustered_vectors, exact_search, recall_at_k
 
     if n < 1 or queries < 1 or k < 1 or ef < 1 or dim < 1:
         raise click.BadParameter("n, dim, queries, k and ef must be positive")
@@ -169,7 +173,7 @@ def _open_engine(store: Path, read_only: bool):
 @click.option("--store", type=click.Path(path_type=Path), required=True, help="Store folder to create or extend.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="EngineConfig as JSON or YAML (only for a new store).")
-@click.option("--chunker", type=click.Choice(["sage", "fixed", "fixed_sentence", "semantic_percentile"]),
+@click.option("--chunker", type=click.Choice(list(CHUNKERS)),
               help="Override the config's chunker (new store only).")
 def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None) -> None:
     """Index SRC (files, folders of .txt/.md, or JSONL with id, text, metadata) into a store: creates it, or adds
@@ -200,7 +204,7 @@ def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker:
 @click.argument("store", type=click.Path(path_type=Path))
 @click.argument("question")
 @click.option("--candidates", "-n", type=int, default=None, help="Candidates from the index (N).")
-@click.option("--selector", type=click.Choice(["gradient", "topk", "autocut", "topp"]), default=None)
+@click.option("--selector", type=click.Choice(list(SELECTORS)), default=None)
 @click.option("--all", "show_all", is_flag=True, help="Show every candidate, not only the selected ones.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full retrieval as JSON.")
 def search(store: Path, question: str, candidates: int | None, selector: str | None, show_all: bool,
@@ -234,7 +238,7 @@ def search(store: Path, question: str, candidates: int | None, selector: str | N
 @click.argument("store", type=click.Path(path_type=Path))
 @click.argument("question")
 @click.option("--strategy", default="plain", show_default=True,
-              type=click.Choice(["plain", "chain_of_note", "self_rag", "feedback", "feedback:chain_of_note"]))
+              type=click.Choice(STRATEGY_NAMES))
 @click.option("--model", default=None, help="A bundled model name or a transformers folder (default: the bundled "
                                             "Qwen2.5-Coder-0.5B-Instruct).")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer, notes, tokens, cost and trace as JSON.")
@@ -296,7 +300,8 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
 def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: str | None, answer_threshold: float,
               plot: Path | None, dry_run: bool, as_json: bool) -> None:
     """Conformal calibration of STORE's retrieval scores, stored with the store and used by `ask --certify`."""
-    from certrag.conformal import CalibrationError, calibrate as run, coverage_sweep, plot_sweep
+    from certrag.certify.calibration import calibrate as run, coverage_sweep, plot_sweep
+    from certrag.certify.conformal import CalibrationError
 
     with _open_engine(store, read_only=dry_run) as engine:
         try:
@@ -338,7 +343,7 @@ def serve(store: Path | None, host: str, port: int, model: str | None, max_body_
     import uvicorn
 
     from certrag.llm import LocalLLM
-    from certrag.server import create_app
+    from certrag.serve.app import create_app
 
     llm = LocalLLM(model) if model else LocalLLM()
     engine = _open_engine(store, read_only=True) if store else None
@@ -349,10 +354,10 @@ def serve(store: Path | None, host: str, port: int, model: str | None, max_body_
 
 @main.command("eval")
 @click.argument("store", type=click.Path(path_type=Path))
-@click.option("--split", type=click.Choice(["train", "calibration", "test"]), default="test", show_default=True)
+@click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)
 @click.option("--limit", default=200, show_default=True, help="Questions from the split (file order).")
 @click.option("--strategy", "strategies", multiple=True, default=["plain"], show_default=True,
-              type=click.Choice(["plain", "chain_of_note", "self_rag", "feedback", "feedback:chain_of_note"]))
+              type=click.Choice(STRATEGY_NAMES))
 @click.option("--noise", "noise", multiple=True, type=float,
               help="Chain-of-Note noise ratio(s); without it the engine's own retrieval supplies the passages.")
 @click.option("--k", default=5, show_default=True, help="Passages per question under the noise protocol.")
@@ -361,7 +366,7 @@ def serve(store: Path | None, host: str, port: int, model: str | None, max_body_
 def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], noise: tuple[float, ...], k: int,
              model: str | None, out: Path | None) -> None:
     """Evaluate answering strategies on NQ-open (EM, F1, reject rate, tokens, cost, cost-efficiency)."""
-    from certrag.eval.nq import load_nq_open
+    from certrag.data.nq import load_nq_open
     from certrag.eval.qa import evaluate, markdown, write_report
     from certrag.llm import LocalLLM
 
@@ -395,7 +400,7 @@ def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], n
 def train_segmenter_cmd(out: Path, sources: str, max_pairs: int, epochs: int, hidden: int, lr: float,
                         seed: int) -> None:
     """Train SAGE's segmentation head on paragraph-segmented text and save it with its card."""
-    from certrag.segment.train import train_segmenter
+    from certrag.train.segmenter import train_segmenter
 
     names = tuple(s.strip() for s in sources.split(",") if s.strip())
     if not names:
@@ -415,16 +420,17 @@ def train_segmenter_cmd(out: Path, sources: str, max_pairs: int, epochs: int, hi
 @click.option("--questions", default=400, show_default=True, help="NQ-open train questions to answer.")
 @click.option("--k", default=3, show_default=True, help="Passages per question.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Classifier JSON (default: the package's certrag/factuality/<model>.json).")
+              help="Classifier JSON (default: the package's certrag/certify/models/<model>.json).")
 @click.option("--examples", type=click.Path(path_type=Path), default=None,
               help="Keep (and reuse) the generated answers and features here (safetensors; default in CERTRAG_HOME).")
 def train_factuality_cmd(model: str, questions: int, k: int, out: Path | None, examples: Path | None) -> None:
     """Train the factuality classifier on lookback ratios of answers to NQ-open train questions."""
-    from certrag.factuality import PACKAGE_DIR, train_factuality
-    from certrag.segment.train import cache_dir
+    from certrag.certify.factuality import PACKAGE_DIR
+    from certrag.train.factuality import train_factuality
+    from certrag.home import certrag_home
 
     out = out or PACKAGE_DIR / f"{model}.json"
-    examples = examples or cache_dir() / f"factuality-train-{model}-{questions}-k{k}.safetensors"
+    examples = examples or certrag_home() / f"factuality-train-{model}-{questions}-k{k}.safetensors"
     clf = train_factuality(model, out, questions=questions, k=k, examples=examples)
     c = clf.card
     click.echo(f"wrote {out}: {c['examples']} answers ({c['positives']} supported), C = {c['C']}, "
@@ -443,7 +449,7 @@ def train_factuality_cmd(model: str, questions: int, k: int, out: Path | None, e
 def train_reranker_cmd(out: Path, epochs: int, negatives: int, lr: float, max_questions: int | None,
                        time_budget: float | None, seed: int) -> None:
     """Train the fused cross-encoder reranker on the NQ-open train split (never calibration or test)."""
-    from certrag.rerank_train import train_reranker
+    from certrag.train.reranker import train_reranker
 
     for option, value in (("--epochs", epochs), ("--negatives", negatives)):
         if value < 1:
@@ -457,7 +463,7 @@ def train_reranker_cmd(out: Path, epochs: int, negatives: int, lr: float, max_qu
 
 @main.command()
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--chunker", type=click.Choice(["sage", "fixed", "fixed_sentence", "semantic_percentile"]),
+@click.option("--chunker", type=click.Choice(list(CHUNKERS)),
               default="sage", show_default=True)
 @click.option("--min-tokens", default=24, show_default=True)
 @click.option("--max-tokens", default=256, show_default=True)

@@ -1,15 +1,25 @@
-"""The engine's configuration: frozen keyword-only dataclasses, saved and loaded as JSON (or YAML with PyYAML)."""
+"""The engine's configuration: frozen keyword-only dataclasses, saved and loaded as JSON (or YAML with PyYAML).
+
+Every field is read by the engine. Names are checked against their family's one registry: chunkers against
+certrag.segment.CHUNKERS, selectors against certrag.select.SELECTORS."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from certrag.segment.chunkers import SegmenterConfig
+from certrag.segment import CHUNKERS, SegmenterConfig
 from certrag.select import SELECTORS, Selector
+
+log = logging.getLogger(__name__)
+
+# Fields that earlier versions wrote into store manifests and that no longer exist: dropped on load (with a
+# warning), so that older stores still open.
+RETIRED_FIELDS = {"retrieval": ("dense_weight",)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,14 +41,13 @@ class IndexConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RetrievalConfig:
-    """candidates: how many chunks the index returns per question (N); rerank: score them with the cross-encoder;
-    dense_weight: the reranker's score is fused with the dense score as rerank + dense_weight * dense (0 means the
-    cross-encoder alone)."""
+    """candidates: how many chunks the index returns per question (N); rerank: score them with the cross-encoder
+    (whose fusion with the dense score, ce + w * cos, is part of the trained reranker: its card holds w);
+    rerank_batch: (question, passage) pairs per cross-encoder forward pass."""
 
     candidates: int = 20
     rerank: bool = True
-    rerank_batch: int = 64
-    dense_weight: float = 0.0
+    rerank_batch: int = 32
 
     def __post_init__(self) -> None:
         if self.candidates < 1:
@@ -79,7 +88,7 @@ class SelectionConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    chunker: str = "sage"  # sage | fixed | fixed_sentence | semantic_percentile
+    chunker: str = "sage"  # a name in certrag.segment.CHUNKERS: sage | fixed | fixed_sentence | semantic_percentile
     segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
     embedder: str = "sentence-transformers/all-MiniLM-L6-v2"
     index: IndexConfig = field(default_factory=IndexConfig)
@@ -87,8 +96,8 @@ class EngineConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
 
     def __post_init__(self) -> None:
-        if self.chunker not in ("sage", "fixed", "fixed_sentence", "semantic_percentile"):
-            raise ValueError(f"chunker must be sage, fixed, fixed_sentence or semantic_percentile; got {self.chunker!r}")
+        if self.chunker not in CHUNKERS:
+            raise ValueError(f"chunker must be one of {', '.join(CHUNKERS)}; got {self.chunker!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -108,6 +117,10 @@ class EngineConfig:
             if key in nested:
                 sub = nested[key]
                 sub_known = {f.name for f in dataclasses.fields(sub)}
+                retired = set(RETIRED_FIELDS.get(key, ())) & set(value) if isinstance(value, dict) else set()
+                if retired:
+                    log.warning("ignoring retired config fields %s in %s", sorted(retired), key)
+                    value = {k: v for k, v in value.items() if k not in retired}
                 if not isinstance(value, dict) or set(value) - sub_known:
                     raise ValueError(f"unknown keys in {key}: {sorted(set(value) - sub_known)}"
                                      if isinstance(value, dict) else f"{key} must be a mapping")

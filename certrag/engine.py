@@ -1,93 +1,34 @@
-"""The Engine: documents in, a persistent store on disk, and for each question a ranked, reranked and adaptively cut
-set of chunks. Stages are small objects (chunker, embedder, index, reranker, selector) composed here."""
+"""The Engine composes the stages: documents in, a persistent store on disk, and for each question a ranked,
+reranked and adaptively cut set of chunks (certrag.retrieval), answered by a strategy (certrag.answering,
+certrag.strategies) and certified (certrag.certify).
+
+Concurrency contract: retrieve, retrieve_batch and answer may run at once from any number of threads; each reads
+the store view that was current when it started (an immutable StoreView: index, chunk table, position map) and
+carries its own per-request options. One writer (add, remove, set_calibration) at a time per engine, and one
+writable engine per store (a file lock): a write builds the new version beside the live one and publishes its view
+in one assignment when the version is on disk.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from certrag.answering import Answer, AnswerOptions, answer as answer_from
 from certrag.config import EngineConfig
 from certrag.documents import Document, load_documents
 from certrag.index import HnswIndex
-from certrag.select import positive_scores
+from certrag.retrieval import Retrieval, Retriever, StoreView, check_questions
 from certrag.store import StoreData, StoreError, StoreLock, read_store, write_store
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Retrieval:
-    """Candidates for one question, best first (reranked order when a reranker ran), and how many were selected.
-
-    chunk_ids: int64 (n,); dense_scores: float32 (n,) cosine similarities (embeddings are unit vectors, so every
-    index metric maps to the cosine); rerank_scores: float32
-    (n,) fused reranker logits, NaN when no reranker ran; selected: the first `selected` candidates form the
-    context; trace: per-stage latency in milliseconds and what ran.
-    """
-
-    question: str
-    chunk_ids: np.ndarray
-    doc_ids: tuple[str, ...]
-    texts: tuple[str, ...]
-    dense_scores: np.ndarray
-    rerank_scores: np.ndarray
-    selected: int
-    trace: dict = field(default_factory=dict)
-
-    @property
-    def selected_chunk_ids(self) -> np.ndarray:
-        return self.chunk_ids[: self.selected]
-
-    @property
-    def selected_texts(self) -> tuple[str, ...]:
-        return self.texts[: self.selected]
-
-    def to_dict(self) -> dict:
-        return {"question": self.question, "selected": self.selected, "trace": self.trace,
-                "candidates": [{"chunk_id": int(c), "doc_id": d, "dense_score": float(s),
-                                "rerank_score": None if np.isnan(r) else float(r), "selected": i < self.selected,
-                                "text": t}
-                               for i, (c, d, t, s, r) in enumerate(zip(self.chunk_ids, self.doc_ids, self.texts,
-                                                                        self.dense_scores, self.rerank_scores))]}
-
-
-@dataclass(frozen=True)
-class Answer:
-    """An answer with its evidence and its bill: the chunks it cites, Chain-of-Note's notes where any, the feedback
-    rounds, tokens and cost over every LLM call, and the per-stage trace (milliseconds)."""
-
-    question: str
-    text: str
-    strategy: str
-    cited_chunk_ids: tuple[int, ...]
-    notes: tuple = ()
-    rejected: bool = False
-    malformed: bool = False
-    rounds: int = 1
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cost: float = 0.0
-    model: str = ""
-    trace: dict = field(default_factory=dict)
-    retrieval: Retrieval | None = None
-    certification: object = None  # certrag.conformal.Certification when answer(certify=True)
-    confidence: float | None = None  # P(supported) from lookback ratios when answer(confidence=True)
-    lookback: object = None  # certrag.lookback.LookbackFeatures of the answer's generation, with confidence
-
-    def to_dict(self) -> dict:
-        return {"question": self.question, "answer": self.text, "strategy": self.strategy,
-                "certification": self.certification.to_dict() if self.certification is not None else None,
-                "confidence": self.confidence,
-                "cited_chunk_ids": list(self.cited_chunk_ids),
-                "notes": [{"passage": n.passage, "kind": n.kind, "text": n.text} for n in self.notes],
-                "rejected": self.rejected, "malformed": self.malformed, "rounds": self.rounds,
-                "input_tokens": self.input_tokens, "output_tokens": self.output_tokens, "cost": self.cost,
-                "model": self.model, "trace": self.trace}
+__all__ = ["Answer", "AnswerOptions", "BuildReport", "Engine", "Retrieval"]
 
 
 @dataclass(frozen=True)
@@ -110,16 +51,21 @@ class Engine:
         self._lock = lock
         self._embedder = embedder
         self._reranker = reranker
+        self._retriever = Retriever(embedder, reranker, config)
         self._llm = None
         self._chunker = None
         self._calibration = None
-        self.factuality = None  # certrag.factuality.FactualityClassifier used by answer(confidence=True)
-        self._reindex()
+        self.factuality = None  # certrag.certify.factuality.FactualityClassifier used by answer(confidence=True)
+        self._view = self._publish()
         self.last_report: BuildReport | None = None
 
-    def _reindex(self) -> None:
-        """Chunk id -> row in chunks / vectors, rebuilt after every write."""
-        self._position = {int(c): i for i, c in enumerate(self._data.ids)}
+    def _publish(self) -> StoreView:
+        """The readers' view of the store as written: a new chunk list and position map (chunk id -> row), never
+        changed afterwards. Assigning it to self._view is the moment readers switch versions."""
+        data = self._data
+        self._view = StoreView(index=data.index, chunks=list(data.chunks),
+                               position={int(c): i for i, c in enumerate(data.ids)})
+        return self._view
 
     # ------------------------------------------------------------------------------------------- construction
 
@@ -138,7 +84,7 @@ class Engine:
         path.mkdir(parents=True, exist_ok=True)
         lock = StoreLock(path)
         try:
-            from certrag.conformal import CALIBRATION_FILE
+            from certrag.certify.conformal import CALIBRATION_FILE
 
             (path / CALIBRATION_FILE).unlink(missing_ok=True)  # a calibration of the store being replaced
             embedder = embedder or cls._default_embedder(config)
@@ -261,13 +207,13 @@ class Engine:
         ids = np.array([c["id"] for c in new_chunks], dtype=np.int64)
         if len(ids):
             data.index.add(vectors, ids)
-        data.chunks += new_chunks
-        data.documents.update(new_docs)
+        data.chunks = data.chunks + new_chunks
+        data.documents = {**data.documents, **new_docs}
         data.ids = np.concatenate([data.ids, ids])
         data.vectors = np.concatenate([data.vectors, vectors]) if len(vectors) else data.vectors
         data.next_chunk_id = next_id
         write_store(self.path, data)
-        self._reindex()
+        self._publish()
         report = BuildReport(documents=len(docs), chunks=len(new_chunks), skipped_empty=skipped,
                              seconds=time.perf_counter() - started)
         self.last_report = report
@@ -293,23 +239,24 @@ class Engine:
         keep = np.array([int(c) not in gone for c in data.ids], dtype=bool)
         data.chunks = [c for c, k in zip(data.chunks, keep) if k]
         data.ids, data.vectors = data.ids[keep], data.vectors[keep]
-        for d in doc_ids:
-            del data.documents[d]
+        going = set(doc_ids)
+        data.documents = {k: v for k, v in data.documents.items() if k not in going}
         write_store(self.path, data)
-        self._reindex()
+        self._publish()
         return len(gone)
 
     # ------------------------------------------------------------------------------------------------ reading
 
     def __len__(self) -> int:
-        return len(self._data.chunks)
+        return len(self._view)
 
     @property
     def documents(self) -> list[str]:
         return list(self._data.documents)
 
     def chunk(self, chunk_id: int) -> dict:
-        return dict(self._data.chunks[self._position[int(chunk_id)]])
+        view = self._view
+        return dict(view.chunks[view.position[int(chunk_id)]])
 
     def info(self) -> dict:
         m = self._data.manifest
@@ -320,7 +267,7 @@ class Engine:
                 "calibration": self._calibration_summary()}
 
     def _calibration_summary(self) -> dict | None:
-        from certrag.conformal import CalibrationError
+        from certrag.certify.conformal import CalibrationError
 
         try:
             cal = self.calibration
@@ -346,8 +293,9 @@ class Engine:
 
     @property
     def calibration(self):
-        """The stored conformal calibration (certrag.conformal.Calibration), or None when the store has none."""
-        from certrag.conformal import CALIBRATION_FILE, Calibration
+        """The stored conformal calibration (certrag.certify.conformal.Calibration), or None when the store has
+        none."""
+        from certrag.certify.conformal import CALIBRATION_FILE, Calibration
 
         if self._calibration is None and (self.path / CALIBRATION_FILE).exists():
             self._calibration = Calibration.load(self.path / CALIBRATION_FILE)
@@ -355,7 +303,7 @@ class Engine:
 
     def set_calibration(self, calibration) -> None:
         """Stores a calibration with the store (atomically), after checking it matches this engine's models."""
-        from certrag.conformal import CALIBRATION_FILE
+        from certrag.certify.conformal import CALIBRATION_FILE
 
         self._writable()
         calibration.check_identity(self.embedder_name, self.reranker_identity())
@@ -364,9 +312,10 @@ class Engine:
 
     def calibrate(self, data: object, *, alpha: float = 0.1, holdout: float = 0.3, eval_data: object = None,
                   save: bool = True, progress: bool = True, **judge):
-        """Conformal calibration of the retrieval scores (certrag.conformal.calibrate) on data: a JSONL path,
-        'nq-open:calibration', or a list of items. Stored with the store unless save=False; returns the record."""
-        from certrag.conformal import calibrate
+        """Conformal calibration of the retrieval scores (certrag.certify.calibration.calibrate) on data: a JSONL
+        path, 'nq-open:calibration', or a list of items. Stored with the store unless save=False; returns the
+        record."""
+        from certrag.certify.calibration import calibrate
 
         if save:
             self._writable()
@@ -377,26 +326,15 @@ class Engine:
         return record
 
     def certify(self, retrieval: Retrieval, *, force: bool = False):
-        """Marks each candidate trusted or not under the stored calibration. applied is True when the diagnostics
-        say the guarantee holds (or force): only then should the context shrink to the trusted candidates."""
-        from certrag.conformal import CalibrationError, Certification, calibrated_scores
+        """Marks each candidate trusted or not under the stored calibration (certrag.certify.conformal.certify).
+        applied is True when the diagnostics say the guarantee holds (or force): only then should the context
+        shrink to the trusted candidates."""
+        from certrag.certify.conformal import certify
 
         cal = self.calibration
-        if cal is None:
-            raise CalibrationError(f"{self.path} has no calibration: run `certrag calibrate` (or "
-                                   "engine.calibrate) first")
-        cal.check_identity(self.embedder_name, self.reranker_identity())
-        scores = calibrated_scores(retrieval.rerank_scores, retrieval.dense_scores, cal.score_transform)
-        trusted = cal.trusted(scores)
-        stale = (f"; the store has changed since calibration ({cal.chunks:,} -> {len(self):,} chunks): recalibrate"
-                 if cal.chunks is not None and cal.chunks != len(self) else "")
-        if cal.holds or force:
-            return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=True,
-                                 reason=(("forced although the guarantee does not hold" if not cal.holds else "")
-                                         + stale).lstrip("; "))
-        return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=False,
-                             reason="the guarantee does not hold for this retriever and data: "
-                                    + "; ".join(cal.diagnostics.reasons) + stale)
+        if cal is not None:
+            cal.check_identity(self.embedder_name, self.reranker_identity())
+        return certify(cal, retrieval, force=force, chunks=len(self), where=str(self.path))
 
     @property
     def llm(self):
@@ -410,183 +348,69 @@ class Engine:
     def llm(self, value) -> None:
         self._llm = value
 
-    def answer(self, question: str, strategy="plain", *, qtype: str = "open",
-               options: list[str] | None = None, prices=None, max_new_tokens: int | None = None,
-               certify: bool = False, force_certify: bool = False, confidence: bool = False) -> Answer:
-        """Retrieves, then answers with a strategy: plain, chain_of_note, self_rag, feedback (SAGE's loop around
-        plain) or feedback:chain_of_note -- or a configured strategy object such as SelfRag(delta=0.5). The feedback
-        loop re-selects from the same reranked candidates with min_k moved by
-        the model's flag, so retrieval runs once. max_new_tokens overrides the strategy's budget (for
-        chain_of_note it is per passage).
+    def answer(self, question: str, strategy="plain", *, options: AnswerOptions | None = None,
+               **fields) -> Answer:
+        """Retrieves, then answers with a strategy: a name from certrag.strategies.STRATEGY_NAMES (plain,
+        chain_of_note, self_rag, feedback = SAGE's loop around plain, feedback:<name> around another) or a
+        strategy object such as SelfRag(delta=0.5) or Feedback(ChainOfNote()). The feedback loop re-selects from
+        the same reranked candidates with min_k moved by the model's flag, so retrieval runs once.
+
+        The request's options come as one AnswerOptions, or as its fields by keyword (qtype, options, prices,
+        max_new_tokens, certify, force_certify, confidence); see certrag.answering.AnswerOptions.
 
         certify=True marks every candidate trusted or not under the store's conformal calibration and, when its
         diagnostics say the guarantee holds (or force_certify=True), sends the trusted candidates instead of the
         selector's cut (at most selection.max_k); with none trusted the answer is "unknown", counted as a rejection,
-        and no LLM call is made.
+        and no LLM call is made. confidence=True records lookback ratios while the local model writes the answer
+        and fills Answer.confidence with the factuality classifier's P(supported) (engine.factuality; by default
+        the one shipped for the model)."""
+        from certrag.strategies import make_strategy
 
-        confidence=True records lookback ratios while the local model writes the answer and fills Answer.confidence
-        with the factuality classifier's P(supported) (engine.factuality; by default the one shipped for the
-        model)."""
-        from certrag.strategies import STRATEGIES
-
-        if not isinstance(strategy, str):  # a configured strategy object (anything with run(...) and a name)
-            if not callable(getattr(strategy, "run", None)):
-                raise ValueError(f"strategy must be a name or an object with a run method; got {strategy!r}")
-            name = getattr(strategy, "name", type(strategy).__name__)
-            return self._answer_with(strategy, False, question, name, qtype, options, prices, certify,
-                                     force_certify, confidence)
-        base_name, feedback = strategy, False
-        if strategy.startswith("feedback"):
-            feedback, _, base_name = strategy.partition(":")
-            base_name = base_name or "plain"
-        if base_name not in STRATEGIES:
-            raise ValueError(f"strategy must be plain, chain_of_note, self_rag, feedback or feedback:<base>; got "
-                             f"{strategy!r}")
-        base = STRATEGIES[base_name]() if max_new_tokens is None else STRATEGIES[base_name](max_new_tokens=max_new_tokens)
-        return self._answer_with(base, bool(feedback), question, strategy, qtype, options, prices, certify,
-                                 force_certify, confidence)
-
-    def _answer_with(self, base, feedback: bool, question: str, strategy: str, qtype: str, options, prices,
-                     certify: bool, force_certify: bool, confidence: bool) -> Answer:
-        import dataclasses as dc
-
-        from certrag.cost import PriceTable
-        from certrag.llm.prompts import Passage
-
+        if options is not None and fields:
+            raise ValueError("give the answer options either as options=AnswerOptions(...) or as keywords, not both")
+        opts = options if options is not None else AnswerOptions(**fields)
+        chosen = make_strategy(strategy)
+        if opts.max_new_tokens is not None:
+            chosen = chosen.with_max_new_tokens(opts.max_new_tokens)
+        llm = self.llm
+        classifier = self._factuality_for(llm) if opts.confidence else None
         t0 = time.perf_counter()
         r = self.retrieve(question)
-        certification, limit = None, len(r.chunk_ids)
-        if certify or force_certify:
-            certification = self.certify(r, force=force_certify)
-            if certification.applied:
-                limit = min(certification.trusted_count, self.config.selection.max_k)
-                r = dc.replace(r, selected=limit)
-                if limit == 0:
-                    trace = dict(r.trace, retrieve_ms=(time.perf_counter() - t0) * 1e3, generate_ms=0.0,
-                                 llm_calls=0, history=[])
-                    return Answer(question=question, text="unknown", strategy=strategy, cited_chunk_ids=(),
-                                  rejected=True, model=getattr(self._llm, "name", ""), trace=trace, retrieval=r,
-                                  certification=certification)
-        t1 = time.perf_counter()
-        positive = (positive_scores(r.rerank_scores, "logit") if not np.isnan(r.rerank_scores).all()
-                    else positive_scores(r.dense_scores, "cosine"))
-
-        def passages_for(n: int) -> list:
-            return [Passage(text=r.texts[i], chunk_id=int(r.chunk_ids[i])) for i in range(n)]
-
-        llm = self.llm
-        classifier = self._factuality_for(llm) if confidence else None
-        recording_before = getattr(llm, "record_lookback", False)
-        if confidence:
-            llm.record_lookback = True
-        try:
-            result = self._run_strategy(base, feedback, question, r, llm, passages_for, positive, limit, qtype,
-                                        options)
-        finally:
-            if confidence:
-                llm.record_lookback = recording_before
-        t2 = time.perf_counter()
-        conf = features = None
-        if confidence and result.answer_call is not None and result.calls:
-            features = result.calls[result.answer_call].lookback
-            if features is not None:
-                conf = classifier.predict(features)
-        used = result.passages_used
-        cited = tuple(int(r.chunk_ids[i]) for i in range(used))
-        if result.cited is not None:
-            cited = tuple(int(r.chunk_ids[i]) for i in result.cited if 0 <= i < used)
-        elif result.notes and not result.malformed:
-            useful = {n.passage for n in result.notes if n.kind in ("answers", "context")}
-            cited = tuple(int(r.chunk_ids[i - 1]) for i in sorted(useful) if 1 <= i <= used)
-        model = getattr(llm, "name", "llm")
-        cost = (prices or PriceTable()).cost(model, result.input_tokens, result.output_tokens)
-        trace = dict(r.trace, retrieve_ms=(t1 - t0) * 1e3, generate_ms=(t2 - t1) * 1e3, llm_calls=len(result.calls),
-                     history=list(result.history))
-        return Answer(question=question, text=result.text, strategy=strategy, cited_chunk_ids=cited,
-                      notes=result.notes, rejected=result.rejected, malformed=result.malformed, rounds=result.rounds,
-                      input_tokens=result.input_tokens, output_tokens=result.output_tokens, cost=cost, model=model,
-                      trace=trace, retrieval=r, certification=certification, confidence=conf, lookback=features)
-
-    def _run_strategy(self, base, feedback: bool, question: str, r: Retrieval, llm, passages_for, positive,
-                      limit: int, qtype: str, options):
-        import dataclasses as dc
-
-        from certrag.strategies import Feedback
-
-        if not feedback:
-            return base.run(question, passages_for(r.selected), llm, qtype, options)
-        gradient = dc.replace(self.config.selection, method="gradient")
-
-        def retrieve_k(min_k: int) -> list:
-            sel = dc.replace(gradient, min_k=min_k, max_k=max(min_k, gradient.max_k)).make()
-            return passages_for(min(sel.select(positive), limit))
-
-        return Feedback(base=base).run_adaptive(question, retrieve_k, llm, min(self.config.selection.min_k, limit),
-                                                qtype, options, max_k=limit or 1)
+        certification = self.certify(r, force=opts.force_certify) if opts.certify or opts.force_certify else None
+        return answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
+                           certification=certification, classifier=classifier,
+                           retrieve_ms=(time.perf_counter() - t0) * 1e3)
 
     def _factuality_for(self, llm):
         """The factuality classifier for llm: engine.factuality when set, else the one shipped for the model."""
-        if not hasattr(llm, "record_lookback"):
+        if not getattr(llm, "records_lookback", False):
             raise ValueError("confidence needs a local model (certrag LocalLLM): it reads the model's attention")
         if self.factuality is None:
-            from certrag.factuality import FactualityClassifier
+            from certrag.certify.factuality import FactualityClassifier
 
             self.factuality = FactualityClassifier.for_model(getattr(llm, "name", ""))
         return self.factuality
 
-    def retrieve(self, question: str | Sequence[str], *, candidates: int | None = None,
-                 selector=None, rerank: bool | None = None) -> "Retrieval | list[Retrieval]":
-        """Embeds, searches, reranks and selects. A string gives one Retrieval; a list gives a list, run batched.
+    def retrieve(self, question: str, *, candidates: int | None = None, selector=None,
+                 rerank: bool | None = None) -> Retrieval:
+        """Embeds, searches, reranks and selects for one question (a non-empty string); see retrieve_batch."""
+        if not isinstance(question, str):
+            raise ValueError(f"question must be a string; got {type(question).__name__} (for several questions "
+                             "use retrieve_batch)")
+        if not question.strip():
+            raise ValueError("question must be a non-empty string")
+        return self.retrieve_batch([question], candidates=candidates, selector=selector, rerank=rerank)[0]
+
+    def retrieve_batch(self, questions: Sequence[str], *, candidates: int | None = None, selector=None,
+                       rerank: bool | None = None) -> list[Retrieval]:
+        """One Retrieval per question, embedded and searched as one batch.
 
         candidates overrides config.retrieval.candidates (N); selector overrides the configured selector; rerank=False
         skips the cross-encoder for this call (the dense scores then rank and feed the selector). Asking for more
         candidates than the store holds returns what it has.
         """
-        single = isinstance(question, str)
-        questions = [question] if single else list(question)
-        for i, q in enumerate(questions):
-            if not isinstance(q, str) or not q.strip():
-                raise ValueError(f"question{'' if single else f'[{i}]'} must be a non-empty string")
-        n_cand = candidates if candidates is not None else self.config.retrieval.candidates
-        if isinstance(n_cand, bool) or not isinstance(n_cand, int) or n_cand < 1:
-            raise ValueError(f"candidates must be a positive integer; got {n_cand!r}")
-        selector = selector or self.config.selection.make()
-        if not questions:
-            return []
-        t0 = time.perf_counter()
-        q_vec = self._embedder.embed(questions)
-        t1 = time.perf_counter()
-        k = max(1, min(n_cand, len(self._data.index)))
-        ef = max(self.config.index.ef_search, k)
-        found = self._data.index.search(q_vec, k=k, ef=ef)
-        t2 = time.perf_counter()
-        embed_ms, search_ms = (t1 - t0) * 1e3 / len(questions), (t2 - t1) * 1e3 / len(questions)
-        out = []
-        for qi, q in enumerate(questions):
-            valid = found.ids[qi] >= 0
-            ids, dense = found.ids[qi][valid], found.scores[qi][valid]
-            if self.config.index.metric == "l2":  # -|q - x|^2 of unit vectors is 2 cos - 2
-                dense = (1.0 + dense / 2.0).astype(np.float32)
-            chunks = [self._data.chunks[self._position[int(c)]] for c in ids]
-            texts = [c["text"] for c in chunks]
-            t3 = time.perf_counter()
-            if self._reranker is not None and rerank is not False and len(ids):
-                rerank_scores = self._reranker.score(q, texts, dense).astype(np.float32)
-                order = np.argsort(-rerank_scores, kind="stable")
-                positive = positive_scores(rerank_scores[order], "logit")
-            else:
-                rerank_scores = np.full(len(ids), np.nan, dtype=np.float32)
-                order = np.arange(len(ids))
-                positive = positive_scores(dense, "cosine")
-            t4 = time.perf_counter()
-            selected = selector.select(positive)
-            t5 = time.perf_counter()
-            out.append(Retrieval(
-                question=q, chunk_ids=ids[order], doc_ids=tuple(chunks[i]["doc_id"] for i in order),
-                texts=tuple(texts[i] for i in order), dense_scores=dense[order], rerank_scores=rerank_scores[order],
-                selected=int(selected),
-                trace={"embed_ms": embed_ms, "search_ms": search_ms, "rerank_ms": (t4 - t3) * 1e3,
-                       "select_ms": (t5 - t4) * 1e3, "candidates": int(len(ids)),
-                       "reranker": getattr(self._reranker, "name", None) if rerank is not False else None,
-                       "selector": selector.name}))
-        return out[0] if single else out
+        if isinstance(questions, str):
+            raise ValueError("questions must be a list of strings; for one question use retrieve")
+        questions = check_questions(questions)
+        return self._retriever.retrieve_batch(self._view, questions, candidates=candidates, selector=selector,
+                                              rerank=rerank)

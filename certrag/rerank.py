@@ -67,16 +67,21 @@ class CrossEncoderReranker:
     def default(cls) -> "CrossEncoderReranker":
         return _default_reranker()
 
-    def cross_scores(self, questions: list[str], passages: list[str]) -> np.ndarray:
-        """ce(q_i, p_i) for aligned lists: float32 (n,)."""
+    def cross_scores(self, questions: list[str], passages: list[str], *, batch_size: int | None = None
+                     ) -> np.ndarray:
+        """ce(q_i, p_i) for aligned lists: float32 (n,). batch_size: pairs per forward pass (default: the
+        reranker's)."""
         if len(questions) != len(passages):
             raise ValueError("questions and passages must have the same length")
+        batch = self.batch_size if batch_size is None else batch_size
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch_size must be a positive integer; got {batch!r}")
         out = np.zeros(len(passages), dtype=np.float32)
         torch = self._torch
         with self._lock, torch.inference_mode():
-            for start in range(0, len(passages), self.batch_size):
+            for start in range(0, len(passages), batch):
                 enc = self._tokenizer.encode_batch(
-                    list(zip(questions[start:start + self.batch_size], passages[start:start + self.batch_size])))
+                    list(zip(questions[start:start + batch], passages[start:start + batch])))
                 ids = torch.tensor([e.ids for e in enc])
                 mask = torch.tensor([e.attention_mask for e in enc])
                 types = torch.tensor([e.type_ids for e in enc])
@@ -84,14 +89,16 @@ class CrossEncoderReranker:
                 out[start:start + len(enc)] = logits[:, 0].float().numpy()
         return out
 
-    def score(self, question: str, passages: list[str], dense_scores: np.ndarray) -> np.ndarray:
+    def score(self, question: str, passages: list[str], dense_scores: np.ndarray, *,
+              batch_size: int | None = None) -> np.ndarray:
         """Fused rerank scores (logits) of passages for one question: float32 (n,)."""
         dense = np.asarray(dense_scores, dtype=np.float32)
         if dense.shape != (len(passages),):
             raise ValueError(f"dense_scores must have shape ({len(passages)},); got {dense.shape}")
         if not passages:
             return np.zeros(0, dtype=np.float32)
-        return self.cross_scores([question] * len(passages), passages) + self.dense_weight * dense
+        return (self.cross_scores([question] * len(passages), passages, batch_size=batch_size)
+                + self.dense_weight * dense)
 
 
 @lru_cache(maxsize=1)

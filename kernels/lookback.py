@@ -19,7 +19,7 @@ Shapes (B batch, Hq query heads, Hkv key/value heads with Hq % Hkv == 0, L cache
     returns out: (B, Hq, D) in q's dtype (accumulated in float32), mass: (B, Hq, S) float32.
 
 lookback_reference computes the same in float32 from explicit softmax weights: the test oracle.
-This module imports triton; `import certrag` never imports it (certrag.lookback loads it lazily for CUDA tensors).
+This module imports triton; `import certrag` never imports it (certrag.certify.lookback loads it lazily for CUDA tensors).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def _interpret_triton_without_a_gpu() -> None:
 
 _interpret_triton_without_a_gpu()
 
-from certrag.datasets import clustered_vectors
+from certrag.data.vectors import clustered_vectors
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from certrag.conformal import (Calibration, CalibrationError, CalibrationItem, ChunkJudge, Diagnostics, ScoredItems,
-                               conformal_quantile, diagnose, load_calibration_items, min_calibration_size, threshold)
+from certrag.certify.calibration import CalibrationItem, ChunkJudge, load_calibration_items
+from certrag.certify.conformal import (Calibration, CalibrationError, Diagnostics, ScoredItems, conformal_quantile,
+                                      diagnose, min_calibration_size, threshold)
 
 # ------------------------------------------------------------------------------------------------ the quantile
 
@@ -184,7 +185,7 @@ def wiki_engine(tmp_path_factory):
     pytest.importorskip("torch")
     from certrag.config import EngineConfig, RetrievalConfig
     from certrag.engine import Engine
-    from certrag.eval.corpus import wiki_leads
+    from certrag.data.corpora import wiki_leads
 
     rows = wiki_leads()[:300]
     docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in rows]

@@ -21,7 +21,7 @@ FAST = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidat
 
 @pytest.fixture(scope="module")
 def leads():
-    from certrag.eval.corpus import wiki_leads
+    from certrag.data.corpora import wiki_leads
 
     rows = wiki_leads()[:40]
     return [{"id": f"wiki:{t}", "text": f"{t}\n{x}", "metadata": {"description": d}} for t, x, d in rows]
@@ -45,11 +45,11 @@ def _consistent(engine):
 def test_build_close_reopen_gives_identical_results(store, leads):
     engine, path = store
     questions = [leads[3]["metadata"]["description"] or "a topic", "Which country has the largest population?"]
-    before = engine.retrieve(questions)
+    before = engine.retrieve_batch(questions)
     engine.close()
     for read_only in (True, False):
         with Engine.open(path, read_only=read_only) as again:
-            after = again.retrieve(questions)
+            after = again.retrieve_batch(questions)
             for a, b in zip(before, after):
                 np.testing.assert_array_equal(a.chunk_ids, b.chunk_ids)
                 np.testing.assert_array_equal(a.dense_scores, b.dense_scores)
@@ -95,7 +95,7 @@ def test_bad_input_gives_clear_errors_or_documented_results(store, tmp_path, lea
     with pytest.raises(ValueError, match="question must be a non-empty string"):
         engine.retrieve("   ")
     with pytest.raises(ValueError, match=r"question\[1\]"):
-        engine.retrieve(["ok", ""])
+        engine.retrieve_batch(["ok", ""])
     with pytest.raises(ValueError, match="candidates"):
         engine.retrieve("x", candidates=0)
     # More candidates than the store holds: what it has.

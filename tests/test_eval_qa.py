@@ -7,7 +7,7 @@ pytest.importorskip("torch")
 from certrag.config import EngineConfig, RetrievalConfig  # noqa: E402
 from certrag.engine import Engine  # noqa: E402
 from certrag.eval.metrics import answer_in_text, exact_match  # noqa: E402
-from certrag.eval.nq import load_nq_open, split_counts, split_of  # noqa: E402
+from certrag.data.nq import load_nq_open, split_counts, split_of  # noqa: E402
 from certrag.eval.qa import evaluate, markdown, noise_passages  # noqa: E402
 
 
@@ -24,8 +24,8 @@ def test_split_is_fixed_by_the_question_text():
 
 @pytest.fixture(scope="module")
 def nq_engine(tmp_path_factory):
-    from certrag.eval.corpus import wiki_leads
-    from certrag.eval.nq import passage_text
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import passage_text
 
     items = load_nq_open(split="test")[:12]
     docs = [{"id": f"nq:{i}", "text": it.gold_text} for i, it in enumerate(items)]

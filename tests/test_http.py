@@ -26,7 +26,7 @@ def _free_port() -> int:
 def served(smollm):
     import uvicorn
 
-    from certrag.server import create_app
+    from certrag.serve.app import create_app
 
     llm = smollm
     port = _free_port()

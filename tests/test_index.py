@@ -7,7 +7,7 @@ import pytest
 
 import certrag
 from certrag import HnswIndex
-from certrag.datasets import exact_search, recall_at_k
+from certrag.data.vectors import exact_search, recall_at_k
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from certrag import HnswIndex, IndexFormatError
-from certrag.datasets import clustered_vectors
+from certrag.data.vectors import clustered_vectors
 
 HEADER = 128
 MASK = (1 << 64) - 1
@@ -246,7 +246,7 @@ def test_a_kill_during_save_leaves_a_loadable_file(tmp_path):
     script = textwrap.dedent(f"""
         import numpy as np
         from certrag import HnswIndex
-        from certrag.datasets import clustered_vectors
+        from certrag.data.vectors import clustered_vectors
         base, _ = clustered_vectors(20000, 64, seed=1)
         index = HnswIndex(dim=64, M=8, ef_construction=20)
         index.add(base)

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from certrag.lookback import (LookbackFeatures, lookback_features, passage_token_spans, ratios_from_masses,  # noqa: E402
-                              recording)
+from certrag.certify.lookback import (LookbackFeatures, lookback_features, passage_token_spans,  # noqa: E402
+                                      ratios_from_masses, recording)
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +143,7 @@ def test_recorded_answer_with_the_real_small_model(smollm):
     passages = [Passage("The Eiffel Tower is in Paris, France."), Passage("Bananas are rich in potassium.")]
     messages = plain_messages("Where is the Eiffel Tower?", passages)
     plain = smollm.generate(messages, max_new_tokens=12)
-    smollm.record_lookback = True
-    try:
-        rec = smollm.generate(messages, max_new_tokens=12)
-    finally:
-        smollm.record_lookback = False
+    rec = smollm.generate(messages, max_new_tokens=12, record_lookback=True)
     assert rec.text == plain.text and rec.output_tokens == plain.output_tokens
     f = rec.lookback
     assert isinstance(f, LookbackFeatures) and f.steps == rec.output_tokens - 1
@@ -162,8 +158,8 @@ def test_recorded_answer_with_the_real_small_model(smollm):
 def test_answer_confidence_from_the_recorded_generation(tmp_path, smollm):
     from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig
     from certrag.engine import Engine
-    from certrag.eval.corpus import wiki_leads
-    from certrag.factuality import FactualityClassifier
+    from certrag.data.corpora import wiki_leads
+    from certrag.certify.factuality import FactualityClassifier
     from certrag.llm.prompts import Passage, plain_messages
 
     docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:15]]
@@ -183,17 +179,13 @@ def test_answer_confidence_from_the_recorded_generation(tmp_path, smollm):
         engine.factuality = clf
         a = engine.answer(question, confidence=True, max_new_tokens=12)
         plain = engine.answer(question, max_new_tokens=12)
-    assert a.text == plain.text and plain.confidence is None and not smollm.record_lookback
+    assert a.text == plain.text and plain.confidence is None and plain.lookback is None
     assert a.lookback.steps == a.output_tokens - 1
     assert a.confidence == pytest.approx(clf.predict(a.lookback)) and 0 < a.confidence < 1
     # The features are those of an independent recording of the same prompt.
     passages = [Passage(t, chunk_id=int(c)) for t, c in zip(a.retrieval.selected_texts,
                                                            a.retrieval.selected_chunk_ids)]
-    smollm.record_lookback = True
-    try:
-        again = smollm.generate(plain_messages(question, passages), max_new_tokens=12).lookback
-    finally:
-        smollm.record_lookback = False
+    again = smollm.generate(plain_messages(question, passages), max_new_tokens=12, record_lookback=True).lookback
     np.testing.assert_allclose(again.chunks, a.lookback.chunks, rtol=1e-5)
     # The classifier refuses features of another shape.
     small = FactualityClassifier(model="x", kind="chunks", layers=1, heads=2, mean=np.zeros(2), scale=np.ones(2),
@@ -204,7 +196,8 @@ def test_answer_confidence_from_the_recorded_generation(tmp_path, smollm):
 
 def test_classifier_round_trip_and_fit(tmp_path):
     pytest.importorskip("sklearn")
-    from certrag.factuality import FactualityClassifier, auroc, fit
+    from certrag.certify.factuality import FactualityClassifier
+    from certrag.train.factuality import auroc, fit
 
     rng = np.random.default_rng(3)
     y = rng.integers(0, 2, 300)

@@ -1,7 +1,7 @@
 """The lookback-ratio decode-attention kernel against its float32 torch reference.
 
 Without a GPU the Triton kernel runs under TRITON_INTERPRET=1 (set here before triton is imported). The CPU path
-(certrag.lookback.span_masses) is checked against the same reference.
+(certrag.certify.lookback.span_masses) is checked against the same reference.
 """
 
 import math
@@ -134,7 +134,7 @@ def test_bad_shapes_are_refused_naming_the_argument():
 
 
 def test_cpu_path_matches_reference():
-    from certrag.lookback import span_masses
+    from certrag.certify.lookback import span_masses
 
     for L, group in ((1, 1), (7, 4), (65, 7), (1000, 4)):
         q, k, v = [t.cpu() for t in _inputs(2, 2 * group, 2, L, 64, torch.float32, L)]

@@ -52,9 +52,9 @@ def test_fused_score_is_cross_encoder_plus_weighted_dense(reranker):
 
 def test_reranker_does_not_rank_worse_than_the_bi_encoder_on_unseen_questions(reranker):
     from certrag.embed import Embedder
-    from certrag.eval.corpus import wiki_leads
-    from certrag.eval.nq import load_nq_open, passage_text
-    from certrag.rerank_train import mrr_at_10
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import load_nq_open, passage_text
+    from certrag.train.reranker import mrr_at_10
 
     items = load_nq_open(split="calibration")[:30]  # never used for training
     corpus = sorted({it.gold_text for it in items} | {passage_text(t, x) for t, x, _ in wiki_leads()[:300]})

@@ -24,7 +24,7 @@ def embedder():
 
 @pytest.fixture(scope="module")
 def wiki_docs():
-    from certrag.segment.train import wiki_documents
+    from certrag.data.corpora import wiki_documents
 
     return wiki_documents(leads_per_doc=4, seed=3)
 
@@ -109,7 +109,7 @@ def test_bad_config_names_the_field():
 
 
 def test_training_on_real_text_reduces_held_out_loss_and_beats_chance(embedder, wiki_docs, tmp_path):
-    from certrag.segment.train import train_segmenter
+    from certrag.train.segmenter import train_segmenter
 
     head = train_segmenter(tmp_path / "head.safetensors", embedder=embedder, documents=wiki_docs[:120],
                            max_pairs=400, hidden=32, epochs=15, progress=False)

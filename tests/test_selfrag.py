@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from certrag.selfrag import (Path, Segment, Weights, aggregate_options, beam_search, path_score, retrieve_probability,
-                             s_isrel, s_issup, s_isuse, segment_score, should_retrieve)
+from certrag.strategies.self_rag import (Path, Segment, Weights, aggregate_options, beam_search, path_score,
+                                        retrieve_probability, s_isrel, s_issup, s_isuse, segment_score,
+                                        should_retrieve)
 
 
 def test_scores_hand_computed():
@@ -141,7 +142,7 @@ def _tiny_llm(tmp_path, extra_tokens=()):
 def test_label_probabilities_equal_a_direct_softmax(tmp_path, reflection):
     import torch
 
-    from certrag.selfrag import GROUPS, REFLECTION_TOKENS, Critic
+    from certrag.strategies.self_rag import GROUPS, REFLECTION_TOKENS, Critic
 
     extra = [t for g in REFLECTION_TOKENS.values() for t in g] if reflection else []
     llm = _tiny_llm(tmp_path, extra)
@@ -164,7 +165,7 @@ def test_label_probabilities_equal_a_direct_softmax(tmp_path, reflection):
 
 def test_self_rag_answers_with_the_real_small_model(smollm):
     from certrag.llm.prompts import Passage
-    from certrag.selfrag import SelfRag
+    from certrag.strategies.self_rag import SelfRag
 
     passages = [Passage("The Eiffel Tower is a wrought-iron tower in Paris, France.", chunk_id=11),
                 Passage("Bananas are a good source of potassium.", chunk_id=12)]
@@ -187,7 +188,7 @@ def test_self_rag_answers_with_the_real_small_model(smollm):
 def test_engine_answer_with_self_rag_cites_the_chosen_passages(tmp_path, smollm):
     from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig
     from certrag.engine import Engine
-    from certrag.eval.corpus import wiki_leads
+    from certrag.data.corpora import wiki_leads
 
     docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:20]]
     config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=4, rerank=False),

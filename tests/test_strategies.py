@@ -5,7 +5,8 @@ import pytest
 
 from certrag.llm.local import Generation
 from certrag.llm.prompts import Passage, format_passages, plain_messages
-from certrag.strategies import ChainOfNote, Feedback, Plain, parse_chain_of_note, parse_feedback, parse_note
+from certrag.strategies import (ChainOfNote, Feedback, Plain, Selection, parse_chain_of_note, parse_feedback,
+                                parse_note)
 
 
 class Scripted:
@@ -114,7 +115,8 @@ def test_feedback_loop_widens_then_stops_at_threshold_and_counts_every_round():
         return PASSAGES[:1] * k
 
     llm = Scripted(["Lyon", "Score: 4\nContext: +1", "Paris", "Score: 9\nContext: -1"])
-    r = Feedback(base=Plain(), threshold=9).run_adaptive("capital of France?", retrieve, llm, min_k=1)
+    r = Feedback(base=Plain(), threshold=9).run("capital of France?", [], llm,
+                                               selection=Selection(retrieve, min_k=1, max_k=10))
     assert asked == [1, 2] and r.rounds == 2 and r.text == "Paris"
     assert len(r.calls) == 4 and r.input_tokens == sum(100 + i for i in range(1, 5))
     assert [h["score"] for h in r.history] == [4.0, 9.0]
@@ -128,15 +130,16 @@ def test_feedback_loop_stops_after_three_rounds_and_respects_bounds():
         return PASSAGES
 
     replies = ["a", "Score: 2\nContext: -1"] * 3
-    r = Feedback(max_rounds=3).run_adaptive("q", retrieve, Scripted(replies), min_k=3)
+    r = Feedback(max_rounds=3).run("q", [], Scripted(replies), selection=Selection(retrieve, min_k=3, max_k=10))
     assert asked == [3, 2, 1] and r.rounds == 3 and len(r.calls) == 6
     # At min_k 1 a -1 flag cannot shrink further: the loop ends instead of repeating itself.
     asked.clear()
-    r = Feedback(max_rounds=3).run_adaptive("q", retrieve, Scripted(["a", "Score: 2\nContext: -1"]), min_k=1)
+    r = Feedback(max_rounds=3).run("q", [], Scripted(["a", "Score: 2\nContext: -1"]),
+                                   selection=Selection(retrieve, min_k=1, max_k=10))
     assert asked == [1] and r.rounds == 1
     # No usable score: the first answer stands.
     asked.clear()
-    r = Feedback().run_adaptive("q", retrieve, Scripted(["a", "I cannot judge"]), min_k=2)
+    r = Feedback().run("q", [], Scripted(["a", "I cannot judge"]), selection=Selection(retrieve, min_k=2, max_k=10))
     assert r.rounds == 1 and r.text == "a"
 
 

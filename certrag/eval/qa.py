@@ -10,7 +10,6 @@ Passage order is shuffled with a seed fixed per question, so no strategy benefit
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import time
@@ -20,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from certrag.cost import PriceTable, cost_efficiency
+from certrag.data.nq import QAItem
+from certrag.data.splits import stable_seed
 from certrag.eval.metrics import answer_in_text, exact_match, f1_score
-from certrag.eval.nq import QAItem
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,7 @@ def noise_passages(item: QAItem, retrieval, k: int, ratio: float) -> tuple[list,
         elif len(noisy) < k - want_relevant:
             noisy.append(Passage(text, chunk_id=int(cid)))
     passages = relevant + noisy
-    seed = int.from_bytes(hashlib.sha256(item.question.encode()).digest()[:4], "big")
-    random.Random(seed).shuffle(passages)
+    random.Random(stable_seed(item.question)).shuffle(passages)
     return passages, len(relevant), len(noisy)
 
 
@@ -74,7 +73,7 @@ def evaluate(engine, items: list[QAItem], strategy: str = "plain", *, noise_rati
     its retrievals in, by question, so that several noise ratios over the same questions retrieve once."""
     from tqdm.auto import tqdm
 
-    from certrag.strategies import STRATEGIES
+    from certrag.strategies import make_strategy
 
     prices = prices or PriceTable()
     rows = []
@@ -85,8 +84,8 @@ def evaluate(engine, items: list[QAItem], strategy: str = "plain", *, noise_rati
             pred, rejected, malformed = a.text, a.rejected, a.malformed
             tin, tout, cost, rounds, rel, noise = a.input_tokens, a.output_tokens, a.cost, a.rounds, -1, -1
         else:
-            if strategy not in STRATEGIES:
-                raise ValueError(f"the noise protocol runs plain or chain_of_note, not {strategy!r}")
+            if strategy.startswith("feedback"):
+                raise ValueError(f"the noise protocol runs plain, chain_of_note or self_rag, not {strategy!r}")
             key = (item.question, max(20, 4 * k))
             r = retrievals.get(key) if retrievals is not None else None
             if r is None:
@@ -94,8 +93,9 @@ def evaluate(engine, items: list[QAItem], strategy: str = "plain", *, noise_rati
                 if retrievals is not None:
                     retrievals[key] = r
             passages, rel, noise = noise_passages(item, r, k, noise_ratio)
-            base = STRATEGIES[strategy]() if max_new_tokens is None else STRATEGIES[strategy](
-                max_new_tokens=max_new_tokens)
+            base = make_strategy(strategy)
+            if max_new_tokens is not None:
+                base = base.with_max_new_tokens(max_new_tokens)
             res = base.run(item.question, passages, engine.llm)
             pred, rejected, malformed, rounds = res.text, res.rejected, res.malformed, 1
             tin, tout = res.input_tokens, res.output_tokens

@@ -3,6 +3,11 @@
 Generation on a 2-core CPU runs fastest with one torch thread (spin-waiting OpenMP threads cost 3-7x, MODELS.md),
 so generate() sets torch's thread count to `num_threads` (default 1) for its duration and restores it after.
 Greedy decoding by default; temperature > 0 samples with a seeded generator.
+
+Lookback recording is a per-call option: generate(..., record_lookback=True) returns the features in its
+Generation. The model's attention is the recorder's from load time on (certrag.certify.lookback: it delegates to
+SDPA, so tokens are plain generation's, and adds span masses only for a call that records), so no flag on the model
+or on this object is set or restored per call.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ class Generation:
     output_tokens: int
     seconds: float
     finish_reason: str  # "stop" (end of sequence) or "length" (max_new_tokens reached)
-    lookback: object = None  # certrag.lookback.LookbackFeatures when the LLM records lookback ratios
+    lookback: object = None  # certrag.certify.lookback.LookbackFeatures when the call recorded lookback ratios
     mean_logprob: float = float("nan")  # mean log-probability of the generated tokens (under the sampling
     # distribution's logits after processing: the model's own for greedy decoding)
 
 
 class LocalLLM:
+    records_lookback = True  # a capability: generate(..., record_lookback=True) works on this backend
     def __init__(self, model: str | os.PathLike = DEFAULT_LLM, *, dtype: str = "float32",
                  num_threads: int = 1) -> None:
         from certrag.embed import _import_torch
@@ -55,8 +61,16 @@ class LocalLLM:
         self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
                                                           dtype=getattr(torch, dtype)).eval()
         self.num_threads = num_threads
-        self.record_lookback = False  # set True: every generate() records lookback ratios over its <passage>s
         self._lock = threading.Lock()
+        self._use_recorder()
+
+    def _use_recorder(self) -> None:
+        """Routes the model's attention through the lookback recorder once, at load: it delegates to SDPA and
+        records only inside a recording call on the same thread."""
+        from certrag.certify.lookback import register
+
+        if self.model.config._attn_implementation == "sdpa":
+            self.model.set_attn_implementation(register())
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat (list of {role, content}) with the model's chat template and the assistant turn
@@ -105,15 +119,16 @@ class LocalLLM:
         return out
 
     def generate(self, messages: list[dict], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                 seed: int | None = None, prefix: str = "") -> Generation:
-        """prefix: text the assistant has already written (its tokens count as input); the result continues it."""
+                 seed: int | None = None, prefix: str = "", record_lookback: bool = False) -> Generation:
+        """prefix: text the assistant has already written (its tokens count as input); the result continues it.
+        record_lookback: record lookback ratios over the prompt's <passage>s into Generation.lookback."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {temperature}")
         torch = self._torch
         ids = self.prompt_ids(messages)
-        spans = self._passage_spans(messages, ids) if self.record_lookback else None
+        spans = self._passage_spans(messages, ids) if record_lookback else None
         if prefix:
             ids = ids + self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
         started = time.perf_counter()
@@ -129,22 +144,23 @@ class LocalLLM:
                           lookback=rec.finish() if rec is not None else None, mean_logprob=logprob)
 
     def generate_batch(self, messages_list: list[list[dict]], *, max_new_tokens: int = 128,
-                       temperature: float = 0.0, seed: int | None = None, batch_size: int = 8) -> list[Generation]:
+                       temperature: float = 0.0, seed: int | None = None, batch_size: int = 8,
+                       record_lookback: bool = False) -> list[Generation]:
         """Several chats decoded together (left-padded, batch_size at a time): one Generation per chat, in order.
 
         Decoding reads the weights once per step for the whole batch, so on a CPU a batch of short answers costs
         little more than one. Greedy results are those of generate() up to float rounding (padding changes the
-        shapes of the matrix products). Each Generation's seconds is its batch's wall time. With record_lookback
-        set, the chats are decoded one by one (the recorder follows one sequence)."""
+        shapes of the matrix products). Each Generation's seconds is its batch's wall time. With record_lookback,
+        the chats are decoded one by one (the recorder follows one sequence)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {temperature}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size}")
-        if self.record_lookback or len(messages_list) <= 1:
-            return [self.generate(m, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-                    for m in messages_list]
+        if record_lookback or len(messages_list) <= 1:
+            return [self.generate(m, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                  record_lookback=record_lookback) for m in messages_list]
         torch = self._torch
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
@@ -204,13 +220,16 @@ class LocalLLM:
 
         if spans is None:
             return contextlib.nullcontext()
-        from certrag.lookback import recording
+        from certrag.certify.lookback import Recording, record_into, register
 
-        return recording(self.model, prompt_len, spans)
+        if self.model.config._attn_implementation != register():
+            raise RuntimeError(f"record_lookback needs the model's attention to be the recorder's; it is "
+                               f"{self.model.config._attn_implementation!r} (load the model with SDPA attention)")
+        return record_into(Recording(prompt_len, spans, self.model.config.num_hidden_layers))
 
     def _passage_spans(self, messages: list[dict], ids: list[int]) -> list[tuple[int, int]]:
-        """Token spans of the <passage> contents in the prompt (see certrag.lookback.passage_token_spans)."""
-        from certrag.lookback import passage_token_spans
+        """Token spans of the <passage> contents in the prompt (see certrag.certify.lookback.passage_token_spans)."""
+        from certrag.certify.lookback import passage_token_spans
 
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

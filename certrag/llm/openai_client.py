@@ -66,9 +66,12 @@ class OpenAIChatClient:
                            f"{last} (after {self.retries + 1} attempts)") from None
 
     def generate(self, messages: list[dict], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                 seed: int | None = None) -> Generation:
+                 seed: int | None = None, record_lookback: bool = False) -> Generation:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        if record_lookback:
+            raise ValueError("record_lookback needs a local model (certrag LocalLLM): it reads the model's attention, "
+                             "which an OpenAI-compatible server does not expose")
         payload = {"model": self.name, "messages": messages, "max_tokens": max_new_tokens,
                    "temperature": temperature}
         if seed is not None:

@@ -22,13 +22,13 @@ class Passage:
     chunk_id: int = -1
 
 
-def _escape(text: str) -> str:
+def escape(text: str) -> str:
     return text.replace("<", "\u2039").replace(">", "\u203a")
 
 
 def _element(i: int, p: Passage) -> str:
-    title = f' title="{_escape(p.title)}"' if p.title else ""
-    return f'<passage id="{i}"{title}>\n{_escape(p.text)}\n</passage>'
+    title = f' title="{escape(p.title)}"' if p.title else ""
+    return f'<passage id="{i}"{title}>\n{escape(p.text)}\n</passage>'
 
 
 def format_passages(passages: list[Passage]) -> str:
@@ -84,7 +84,7 @@ def noted_answer_messages(question: str, passages: list[Passage], notes: list[st
                           options: list[str] | None = None) -> list[dict]:
     """Chain-of-Note's answer step: the passages kept, each followed by its reading note (notes are the model's own
     words, so they are quoted as data too)."""
-    parts = [f"{_element(i, p)}\nReading note {i}: {_escape(n)}" for i, (p, n) in enumerate(zip(passages, notes), 1)]
+    parts = [f"{_element(i, p)}\nReading note {i}: {escape(n)}" for i, (p, n) in enumerate(zip(passages, notes), 1)]
     user = (("\n".join(parts) if parts else "(no passages)") + f"\n\n{_task(question, qtype, options)}\n"
             "If the passages and notes do not give the answer, reply: unknown")
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]

@@ -8,24 +8,31 @@ from certrag.segment.head import SegmenterHead
 from certrag.segment.sentences import Sentence, split_sentences
 
 
+def _sage(config: SegmenterConfig, embedder) -> Chunker:
+    from certrag.embed import Embedder
+
+    return Segmenter(embedder=embedder or Embedder.default(), config=config)
+
+
+CHUNKERS = {
+    "sage": _sage,
+    "fixed": lambda config, embedder: FixedSizeChunker(config.max_tokens, embedder),
+    "fixed_sentence": lambda config, embedder: SentenceFixedChunker(config.max_tokens, embedder),
+    "semantic_percentile": lambda config, embedder: PercentileSemanticChunker(embedder=embedder),
+}
+"""The one registry of chunker names: name -> factory(SegmenterConfig, embedder or None)."""
+
+
 def make_chunker(name: str, config: SegmenterConfig | None = None, *, min_tokens: int = 24, max_tokens: int = 256,
                  threshold: float = 0.5, embedder=None) -> Chunker:
-    """A chunker by name: sage, fixed, fixed_sentence or semantic_percentile. Sizes come from config when given
-    (the whole SegmenterConfig reaches SAGE), else from the keyword arguments."""
+    """A chunker by name (one of CHUNKERS). Sizes come from config when given (the whole SegmenterConfig reaches
+    SAGE), else from the keyword arguments."""
+    if name not in CHUNKERS:
+        raise ValueError(f"unknown chunker {name!r}; choose from {', '.join(CHUNKERS)}")
     if config is None:
         config = SegmenterConfig(min_tokens=min_tokens, max_tokens=max_tokens, threshold=threshold)
-    if name == "sage":
-        from certrag.embed import Embedder
-
-        return Segmenter(embedder=embedder or Embedder.default(), config=config)
-    if name == "fixed":
-        return FixedSizeChunker(config.max_tokens, embedder)
-    if name == "fixed_sentence":
-        return SentenceFixedChunker(config.max_tokens, embedder)
-    if name == "semantic_percentile":
-        return PercentileSemanticChunker(embedder=embedder)
-    raise ValueError(f"unknown chunker {name!r}; choose from sage, fixed, fixed_sentence, semantic_percentile")
+    return CHUNKERS[name](config, embedder)
 
 
-__all__ = ["Chunk", "Chunker", "FixedSizeChunker", "PercentileSemanticChunker", "Segmenter", "SegmenterConfig",
-           "SegmenterHead", "Sentence", "SentenceFixedChunker", "make_chunker", "split_sentences"]
+__all__ = ["CHUNKERS", "Chunk", "Chunker", "FixedSizeChunker", "PercentileSemanticChunker", "Segmenter",
+           "SegmenterConfig", "SegmenterHead", "Sentence", "SentenceFixedChunker", "make_chunker", "split_sentences"]

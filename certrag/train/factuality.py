@@ -1,14 +1,11 @@
-"""Factual confidence of an answer from its lookback ratios: a logistic regression on the chunk-wise features.
-
-Features: the chunk-wise lookback ratio of every (layer, head), averaged over the answer's decode steps
-(certrag.lookback). Classifier: standardisation and L2-regularised logistic regression (scikit-learn at training
-time; numpy at prediction time), saved as JSON with its card: no pickle.
+"""Training the factuality classifier (certrag.certify.factuality) on lookback ratios.
 
 Training data (`certrag train-factuality`): answers that a local model generates to NQ-open *train* questions
-(certrag.eval.nq), each from k passages of which the gold passage is one for half the questions (chosen by a stable
+(certrag.data.nq), each from k passages of which the gold passage is one for half the questions (chosen by a stable
 hash) and the others are the gold passages of other NQ questions most similar to the question (MiniLM): hard
 distractors. Label rule: 1 when a gold answer, DPR-normalised, occurs in the normalised answer ("gold string
-contained"; certrag.eval.metrics.answer_in_text), else 0.
+contained"; certrag.eval.metrics.answer_in_text), else 0. Classifier: standardisation and L2-regularised logistic
+regression, C chosen by stratified cross-validated AUROC (scikit-learn).
 """
 
 from __future__ import annotations
@@ -18,74 +15,15 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from certrag.certify.factuality import FactualityClassifier
+from certrag.data.splits import stable_fraction
+
 log = logging.getLogger(__name__)
-PACKAGE_DIR = Path(__file__).resolve().parent / "factuality"
 LABEL_RULE = "gold answer contained in the normalised prediction (DPR normalisation)"
-
-
-@dataclass(frozen=True)
-class FactualityClassifier:
-    model: str  # the LLM whose attention the features come from
-    kind: str  # "chunks" or "full"
-    layers: int
-    heads: int
-    mean: np.ndarray
-    scale: np.ndarray
-    coef: np.ndarray
-    intercept: float
-    card: dict
-
-    def predict(self, features) -> float:
-        """P(answer supported) from a LookbackFeatures; NaN when the answer has no decode steps or no chunks."""
-        x = np.asarray(features.vector(self.kind), dtype=np.float64)
-        if x.shape != self.mean.shape:
-            raise ValueError(f"features have {x.size} values; the classifier expects {self.layers} layers x "
-                             f"{self.heads} heads ({self.mean.size})")
-        if not np.isfinite(x).all():
-            return float("nan")
-        return self.predict_vectors(x[None, :])[0]
-
-    def predict_vectors(self, x: np.ndarray) -> np.ndarray:
-        z = ((np.asarray(x, dtype=np.float64) - self.mean) / self.scale) @ self.coef + self.intercept
-        return 1.0 / (1.0 + np.exp(-z))
-
-    def to_dict(self) -> dict:
-        return {"format": "certrag-factuality", "version": 1, "model": self.model, "kind": self.kind,
-                "layers": self.layers, "heads": self.heads, "mean": self.mean.tolist(), "scale": self.scale.tolist(),
-                "coef": self.coef.tolist(), "intercept": self.intercept, "card": self.card}
-
-    def save(self, path: str | Path) -> None:
-        from certrag.store import write_file_atomic
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(path, (json.dumps(self.to_dict(), indent=1) + "\n").encode())
-
-    @classmethod
-    def load(cls, path: str | Path) -> "FactualityClassifier":
-        try:
-            d = json.loads(Path(path).read_text())
-            if d.get("format") != "certrag-factuality":
-                raise ValueError("not a certrag factuality classifier")
-            return cls(model=d["model"], kind=d["kind"], layers=int(d["layers"]), heads=int(d["heads"]),
-                       mean=np.array(d["mean"]), scale=np.array(d["scale"]), coef=np.array(d["coef"]),
-                       intercept=float(d["intercept"]), card=d.get("card", {}))
-        except (OSError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}: cannot load the factuality classifier ({exc})") from None
-
-    @classmethod
-    def for_model(cls, model: str) -> "FactualityClassifier":
-        """The classifier shipped in the package for a bundled model."""
-        path = PACKAGE_DIR / f"{model}.json"
-        if not path.exists():
-            raise FileNotFoundError(f"no factuality classifier ships for {model!r}; train one with "
-                                    f"`certrag train-factuality --model {model}`")
-        return cls.load(path)
 
 
 def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, heads: int, card: dict,
@@ -124,21 +62,21 @@ def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, hea
 def nq_passage_sets(items, k: int = 3, seed: int = 0) -> list[tuple[list[str], bool]]:
     """For each NQ-open item: k passages (gold included for half of the items, by a stable hash) and whether the
     gold is among them. Distractors: the other NQ gold passages nearest the question under MiniLM."""
+    from certrag.data.nq import load_nq_open
     from certrag.embed import Embedder, EmbeddingCache
-    from certrag.eval.nq import load_nq_open
-    from certrag.segment.train import cache_dir, stable_fraction as _stable
+    from certrag.home import certrag_home
 
     pool = sorted({it.gold_text for it in load_nq_open()})
-    embedder = Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    embedder = Embedder(cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"))
     pv = embedder.embed(pool)
     qv = embedder.embed([it.question for it in items])
     out = []
     for it, q in zip(items, qv):
-        with_gold = _stable(f"{seed}:gold:{it.question}") < 0.5
+        with_gold = stable_fraction(f"{seed}:gold:{it.question}") < 0.5
         order = np.argsort(-(pv @ q))
         distractors = [pool[i] for i in order if pool[i] != it.gold_text][: k - 1 if with_gold else k]
         passages = distractors + ([it.gold_text] if with_gold else [])
-        rng = np.random.default_rng(int(_stable(f"{seed}:order:{it.question}") * 2**32))
+        rng = np.random.default_rng(int(stable_fraction(f"{seed}:order:{it.question}") * 2**32))
         rng.shuffle(passages)
         out.append((passages, with_gold))
     return out
@@ -156,26 +94,22 @@ def collect(llm, items, *, k: int = 3, max_new_tokens: int = 24, reranker=None, 
     rows = {"chunks": [], "full": [], "mean_logprob": [], "top_rerank": [], "label": [], "with_gold": [],
             "steps": []}
     predictions = []
-    previous, llm.record_lookback = llm.record_lookback, True
     started = time.perf_counter()
-    try:
-        for it, (passages, with_gold) in tqdm(list(zip(items, sets)), desc="answering", disable=not progress):
-            g = llm.generate(plain_messages(it.question, [Passage(p) for p in passages]),
-                             max_new_tokens=max_new_tokens)
-            f = g.lookback
-            rows["chunks"].append(f.vector("chunks"))
-            rows["full"].append(f.vector("full"))
-            rows["mean_logprob"].append(g.mean_logprob)
-            rows["steps"].append(f.steps)
-            rows["label"].append(int(answer_in_text(g.text, it.answers)))
-            rows["with_gold"].append(int(with_gold))
-            if reranker is not None:
-                rows["top_rerank"].append(float(reranker.cross_scores([it.question] * len(passages), passages).max()))
-            else:
-                rows["top_rerank"].append(float("nan"))
-            predictions.append(g.text)
-    finally:
-        llm.record_lookback = previous
+    for it, (passages, with_gold) in tqdm(list(zip(items, sets)), desc="answering", disable=not progress):
+        g = llm.generate(plain_messages(it.question, [Passage(p) for p in passages]),
+                         max_new_tokens=max_new_tokens, record_lookback=True)
+        f = g.lookback
+        rows["chunks"].append(f.vector("chunks"))
+        rows["full"].append(f.vector("full"))
+        rows["mean_logprob"].append(g.mean_logprob)
+        rows["steps"].append(f.steps)
+        rows["label"].append(int(answer_in_text(g.text, it.answers)))
+        rows["with_gold"].append(int(with_gold))
+        if reranker is not None:
+            rows["top_rerank"].append(float(reranker.cross_scores([it.question] * len(passages), passages).max()))
+        else:
+            rows["top_rerank"].append(float("nan"))
+        predictions.append(g.text)
     out = {key: np.asarray(v, dtype=np.float32 if key in ("chunks", "full", "mean_logprob", "top_rerank")
                             else np.int64) for key, v in rows.items()}
     out["seconds"] = time.perf_counter() - started
@@ -209,7 +143,7 @@ def load_examples(path: str | Path) -> tuple[dict, dict]:
 def train_factuality(model: str, out: str | Path, *, questions: int = 400, k: int = 3, kind: str = "chunks",
                      examples: str | Path | None = None, progress: bool = True) -> FactualityClassifier:
     """Collects (or reuses, from `examples`) NQ-open train answers of `model` and fits the classifier."""
-    from certrag.eval.nq import load_nq_open
+    from certrag.data.nq import load_nq_open
     from certrag.llm import LocalLLM
 
     items = load_nq_open(split="train")[:questions]

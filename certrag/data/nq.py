@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import ast
 import gzip
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-SPLITS = ("train", "calibration", "test")
+from certrag.data.splits import SPLITS, split_of
 
 
 @dataclass(frozen=True)
@@ -37,13 +36,6 @@ class QAItem:
 
 def passage_text(title: str, text: str) -> str:
     return f"{title}\n{text}" if title else text
-
-
-def split_of(question: str) -> str:
-    """train (40%), calibration (20%) or test (40%), from the SHA-256 of the normalised question text."""
-    key = " ".join(question.strip().lower().split())
-    x = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2**64
-    return "train" if x < 0.4 else ("calibration" if x < 0.6 else "test")
 
 
 def default_path() -> Path:

@@ -1,5 +1,9 @@
 """certrag serve: an OpenAI-compatible /v1/chat/completions backed by a local model, and /v1/answer backed by the
-engine. FastAPI gives the OpenAPI schema at /openapi.json; requests above max_body_bytes get 413."""
+engine. FastAPI gives the OpenAPI schema at /openapi.json; requests above max_body_bytes get 413.
+
+No lock here spans a request: each request's options travel with its call (certrag.answering.AnswerOptions), and
+each model serialises its own forward passes (LocalLLM, the embedder and the reranker hold their own locks), so a
+retrieval runs while another request generates."""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import uuid
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+from certrag.strategies import STRATEGY_NAMES
 
 
 class ChatMessage(BaseModel):
@@ -25,7 +31,7 @@ class ChatRequest(BaseModel):
 
 class AnswerRequest(BaseModel):
     question: str = Field(min_length=1, max_length=4000)
-    strategy: Literal["plain", "chain_of_note", "self_rag", "feedback", "feedback:chain_of_note"] = "plain"
+    strategy: Literal[STRATEGY_NAMES] = "plain"  # certrag.strategies.STRATEGY_NAMES
     qtype: Literal["open", "multiple_choice", "yes_no"] = "open"
     options: list[str] | None = None
     certify: bool = False  # only chunks trusted under the store's conformal calibration (when it holds)
@@ -33,14 +39,10 @@ class AnswerRequest(BaseModel):
 
 
 def create_app(llm, engine=None, *, max_body_bytes: int = 1 << 20):
-    import threading
-
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import JSONResponse
 
     app = FastAPI(title="certrag", version=__import__("certrag").__version__)
-    lock = threading.Lock()  # one generation at a time: the model is not re-entrant
-
     @app.middleware("http")
     async def limit_body(request: Request, call_next):
         size = request.headers.get("content-length")
@@ -54,9 +56,8 @@ def create_app(llm, engine=None, *, max_body_bytes: int = 1 << 20):
 
     @app.post("/v1/chat/completions")
     def chat(req: ChatRequest) -> dict:
-        with lock:
-            g = llm.generate([m.model_dump() for m in req.messages], max_new_tokens=req.max_tokens,
-                             temperature=req.temperature, seed=req.seed)
+        g = llm.generate([m.model_dump() for m in req.messages], max_new_tokens=req.max_tokens,
+                         temperature=req.temperature, seed=req.seed)
         return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
                 "model": getattr(llm, "name", req.model),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": g.text},
@@ -69,9 +70,8 @@ def create_app(llm, engine=None, *, max_body_bytes: int = 1 << 20):
         if engine is None:
             raise HTTPException(status_code=404, detail="this server has no store")
         try:
-            with lock:
-                a = engine.answer(req.question, strategy=req.strategy, qtype=req.qtype, options=req.options,
-                                  certify=req.certify, confidence=req.confidence)
+            a = engine.answer(req.question, strategy=req.strategy, qtype=req.qtype, options=req.options,
+                              certify=req.certify, confidence=req.confidence)
         except (ValueError, FileNotFoundError) as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from None
         return a.to_dict()

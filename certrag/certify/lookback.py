@@ -236,6 +236,19 @@ def lookback_features(masses: list[np.ndarray], prompt_len: int, chunk_spans: li
 
 
 @contextlib.contextmanager
+def record_into(rec: Recording):
+    """Within the block, decode calls of any model whose attention implementation is the recorder's (register())
+    and that run on this thread add their span masses to rec. Only this thread's state changes: a model that
+    already uses the recorder needs nothing set or restored on it, and other threads' generations are untouched."""
+    previous = getattr(_state, "recording", None)
+    _state.recording = rec
+    try:
+        yield rec
+    finally:
+        _state.recording = previous
+
+
+@contextlib.contextmanager
 def recording(model, prompt_len: int, chunk_spans: list[tuple[int, int]], *, use_kernel: bool = True,
               fused_output: bool = False):
     """Within the block, model's attention records span masses on every decode step into the yielded Recording
@@ -251,11 +264,10 @@ def recording(model, prompt_len: int, chunk_spans: list[tuple[int, int]], *, use
     rec = Recording(prompt_len, chunk_spans, model.config.num_hidden_layers, use_kernel=use_kernel,
                     fused_output=fused_output)
     model.set_attn_implementation(name)
-    _state.recording = rec
     try:
-        yield rec
+        with record_into(rec):
+            yield rec
     finally:
-        _state.recording = None
         model.set_attn_implementation(previous)
 
 

@@ -12,7 +12,6 @@ cross-entropy over each group (positive first, then negatives) of fused scores.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from certrag.data.splits import stable_fraction
+
 log = logging.getLogger(__name__)
 
 
@@ -36,8 +37,7 @@ def _normalise(text: str) -> str:
 
 
 def _holdout(question: str, fraction: float) -> bool:
-    x = int.from_bytes(hashlib.sha256(("rerank-val:" + question).encode()).digest()[:8], "big") / 2**64
-    return x < fraction
+    return stable_fraction("rerank-val:" + question) < fraction
 
 
 def mrr_at_10(score_lists: list[np.ndarray], gold_positions: list[int]) -> float:
@@ -58,9 +58,9 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
     from tqdm.auto import tqdm
 
     from certrag.embed import Embedder, EmbeddingCache, _import_torch, default_model_dir
-    from certrag.eval.corpus import wiki_leads
-    from certrag.eval.nq import load_nq_open, passage_text
-    from certrag.segment.train import cache_dir
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import load_nq_open, passage_text
+    from certrag.home import certrag_home
 
     torch = _import_torch()
     from tokenizers import Tokenizer
@@ -69,7 +69,7 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
     started = time.time()
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    embedder = Embedder(cache=EmbeddingCache(cache_dir() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    embedder = Embedder(cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"))
     train = load_nq_open(split="train")
     if max_questions:
         train = train[:max_questions]
@@ -178,7 +178,7 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         "kind": "cross-encoder reranker fused with the dense score: ce(q, p) + dense_weight * cos(q, p)",
         "base_model": "sentence-transformers/all-MiniLM-L6-v2 (encoder weights; new output layer, zero-initialised)",
         "dense_weight": best[3],
-        "data": {"source": "NQ-open train split (certrag.eval.nq.split_of)", "groups": len(groups),
+        "data": {"source": "NQ-open train split (certrag.data.splits.split_of)", "groups": len(groups),
                  "negatives_per_group": negatives, "mined_from_top": candidates,
                  "mining_corpus": f"{len(corpus)} passages: train-split gold passages + Wikipedia leads",
                  "false_negative_filter": "negatives containing a gold answer string are skipped",

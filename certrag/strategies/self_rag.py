@@ -22,11 +22,16 @@ code, inverts rankings once a term is negative), and a mean, so paths of differe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
+
+from certrag.llm.local import Generation
+from certrag.llm.prompts import Passage, escape, plain_messages
+from certrag.strategies.base import LLM, UNKNOWN, Selection, StrategyResult, first_line, generate
 
 UTILITY_WEIGHTS = (-1.0, -0.5, 0.0, 0.5, 1.0)
 GROUPS = {
@@ -217,8 +222,6 @@ class Critic:
     def prompt(self, group: str, question: str, passage: str | None = None, segment: str | None = None,
                prior: str = "") -> list[int]:
         """The token ids after which the group's label is read. prior: the answer written so far."""
-        from certrag.llm.prompts import _escape
-
         if self.reflection:
             head = self._selfrag_prefix(question) + prior
             if group == "retrieve":
@@ -235,7 +238,7 @@ class Critic:
         if group == "retrieve":
             return self._chat(f"{q}\nWould passages from an encyclopedia help to answer this question well? "
                               "Reply with one word: Yes or No.")
-        p = f'<passage>\n{_escape(passage or "")}\n</passage>\n'
+        p = f'<passage>\n{escape(passage or "")}\n</passage>\n'
         if group == "isrel":
             return self._chat(f"{p}{q}\nIs the passage relevant to the question: does it hold information useful "
                               "for answering it? Reply with one word: Relevant or Irrelevant.")
@@ -296,11 +299,14 @@ class SelfRag:
     drop_unsupported: bool = False  # drop segments whose most probable IsSup label is "No support"
     name: str = "self_rag"
 
-    def run(self, question: str, passages, llm, qtype: str = "open", options: list[str] | None = None):
-        from certrag.llm.local import Generation
-        from certrag.llm.prompts import plain_messages
-        from certrag.strategies import StrategyResult, _first_line
+    def with_max_new_tokens(self, n: int) -> "SelfRag":
+        """n is each segment's budget."""
+        return dataclasses.replace(self, segment_tokens=n)
 
+    def run(self, question: str, passages: Sequence[Passage], llm: LLM, qtype: str = "open",
+            options: list[str] | None = None, *, selection: Selection | None = None,
+            record_lookback: bool = False) -> StrategyResult:
+        passages = list(passages)
         critic = Critic(llm)
         calls: list = []
         trace: list[dict] = []
@@ -315,8 +321,8 @@ class SelfRag:
             gens, first_call = [], len(calls)
             for i in use:
                 ctx = [passages[i]] if i >= 0 else []
-                g = llm.generate(plain_messages(question, ctx, qtype, options), max_new_tokens=self.segment_tokens,
-                                 prefix=(prior + " ") if prior else "")
+                g = generate(llm, plain_messages(question, ctx, qtype, options), max_new_tokens=self.segment_tokens,
+                             prefix=(prior + " ") if prior else "", record_lookback=record_lookback)
                 calls.append(g)
                 gens.append(g)
             texts = [_segment_text(g.text) for g in gens]
@@ -341,17 +347,18 @@ class SelfRag:
         critic_calls = Generation(text="", input_tokens=critic.prompt_tokens, output_tokens=0, seconds=0.0,
                                   finish_reason="critic")
         if not pool:  # every segment was dropped as unsupported
-            return StrategyResult(text="unknown", calls=tuple(calls) + (critic_calls,), rejected=True,
+            return StrategyResult(text=UNKNOWN, calls=tuple(calls) + (critic_calls,), rejected=True,
                                   passages_used=0, history=tuple(trace), answer_call=None)
         best = pool[0]
-        text = _first_line(best.text) if qtype != "open" else best.text
+        text = first_line(best.text) if qtype != "open" else best.text
         if qtype in ("multiple_choice", "yes_no"):
             text = self._closed_set(pool, qtype, options, trace) or text
         cited = sorted({s.passage for s in best.segments if s.passage >= 0})
+        summary = {"chosen": [s.passage for s in best.segments], "score": best.score, "cited_passages": cited,
+                   "critic_forward_passes": critic.forward_passes}
         return StrategyResult(text=text, calls=tuple(calls) + (critic_calls,), passages_used=len(passages),
-                              cited=tuple(cited), answer_call=best.segments[-1].call, history=tuple(trace) + ({"chosen": [s.passage for s in best.segments],
-                                                       "score": best.score, "cited_passages": cited,
-                                                       "critic_forward_passes": critic.forward_passes},))
+                              cited=tuple(cited), answer_call=best.segments[-1].call,
+                              history=tuple(trace) + (summary,))
 
     @staticmethod
     def _closed_set(pool: list[Path], qtype: str, options, trace: list) -> str | None:

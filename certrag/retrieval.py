@@ -1,0 +1,141 @@
+"""Retrieval, one stage: embed the questions, search the HNSW index for N candidates, rerank them with the
+cross-encoder, and cut the context with the selector -- over one published view of the store.
+
+It knows nothing of how answers are written: it returns a Retrieval (candidates best first, scores, the cut and a
+per-stage latency trace) and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from certrag.config import EngineConfig
+from certrag.index import HnswIndex
+from certrag.select import Selector, positive_scores
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """Candidates for one question, best first (reranked order when a reranker ran), and how many were selected.
+
+    chunk_ids: int64 (n,); dense_scores: float32 (n,) cosine similarities (embeddings are unit vectors, so every
+    index metric maps to the cosine); rerank_scores: float32
+    (n,) fused reranker logits, NaN when no reranker ran; selected: the first `selected` candidates form the
+    context; trace: per-stage latency in milliseconds and what ran.
+    """
+
+    question: str
+    chunk_ids: np.ndarray
+    doc_ids: tuple[str, ...]
+    texts: tuple[str, ...]
+    dense_scores: np.ndarray
+    rerank_scores: np.ndarray
+    selected: int
+    trace: dict = field(default_factory=dict)
+
+    @property
+    def selected_chunk_ids(self) -> np.ndarray:
+        return self.chunk_ids[: self.selected]
+
+    @property
+    def selected_texts(self) -> tuple[str, ...]:
+        return self.texts[: self.selected]
+
+    def to_dict(self) -> dict:
+        return {"question": self.question, "selected": self.selected, "trace": self.trace,
+                "candidates": [{"chunk_id": int(c), "doc_id": d, "dense_score": float(s),
+                                "rerank_score": None if np.isnan(r) else float(r), "selected": i < self.selected,
+                                "text": t}
+                               for i, (c, d, t, s, r) in enumerate(zip(self.chunk_ids, self.doc_ids, self.texts,
+                                                                        self.dense_scores, self.rerank_scores))]}
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """What a reader searches: the index and the chunks of one published store version. chunks[position[id]] is
+    the chunk with that id. Never changed after it is published; a writer publishes a new view."""
+
+    index: HnswIndex
+    chunks: Sequence[dict]
+    position: Mapping[int, int]
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+def check_questions(questions: Sequence[str]) -> list[str]:
+    """The questions as a list, each a non-empty string (ValueError naming the first that is not)."""
+    questions = list(questions)
+    for i, q in enumerate(questions):
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f"questions: question[{i}] must be a non-empty string")
+    return questions
+
+
+class Retriever:
+    """embed -> HNSW top-N -> rerank -> select, batched over questions. Holds its models (embedder, optional
+    reranker) and the config; the store view is an argument of each call, so concurrent calls share nothing
+    mutable."""
+
+    def __init__(self, embedder, reranker, config: EngineConfig) -> None:
+        self.embedder = embedder
+        self.reranker = reranker
+        self.config = config
+
+    def retrieve_batch(self, view: StoreView, questions: Sequence[str], *, candidates: int | None = None,
+                       selector: Selector | None = None, rerank: bool | None = None) -> list[Retrieval]:
+        """One Retrieval per question (validated by the caller). candidates overrides config.retrieval.candidates
+        (N); selector overrides the configured selector; rerank=False skips the cross-encoder (the dense scores
+        then rank and feed the selector). Asking for more candidates than the store holds returns what it has."""
+        n_cand = candidates if candidates is not None else self.config.retrieval.candidates
+        if isinstance(n_cand, bool) or not isinstance(n_cand, int) or n_cand < 1:
+            raise ValueError(f"candidates must be a positive integer; got {n_cand!r}")
+        selector = selector or self.config.selection.make()
+        if not questions:
+            return []
+        t0 = time.perf_counter()
+        q_vec = self.embedder.embed(list(questions))
+        t1 = time.perf_counter()
+        k = max(1, min(n_cand, len(view.index)))
+        ef = max(self.config.index.ef_search, k)
+        found = view.index.search(q_vec, k=k, ef=ef)
+        t2 = time.perf_counter()
+        embed_ms, search_ms = (t1 - t0) * 1e3 / len(questions), (t2 - t1) * 1e3 / len(questions)
+        reranker = self.reranker if rerank is not False else None
+        return [self._one(view, q, found.ids[qi], found.scores[qi], reranker, selector, embed_ms, search_ms)
+                for qi, q in enumerate(questions)]
+
+    def _one(self, view: StoreView, question: str, ids: np.ndarray, dense: np.ndarray, reranker, selector,
+             embed_ms: float, search_ms: float) -> Retrieval:
+        # ids the view does not hold (padding, or vectors a writer added after this view was published) are skipped
+        keep = np.array([int(c) in view.position for c in ids], dtype=bool) if len(ids) else np.zeros(0, bool)
+        ids, dense = ids[keep], dense[keep]
+        if self.config.index.metric == "l2":  # -|q - x|^2 of unit vectors is 2 cos - 2
+            dense = (1.0 + dense / 2.0).astype(np.float32)
+        chunks = [view.chunks[view.position[int(c)]] for c in ids]
+        texts = [c["text"] for c in chunks]
+        t3 = time.perf_counter()
+        if reranker is not None and len(ids):
+            rerank_scores = reranker.score(question, texts, dense,
+                                           batch_size=self.config.retrieval.rerank_batch).astype(np.float32)
+            order = np.argsort(-rerank_scores, kind="stable")
+            positive = positive_scores(rerank_scores[order], "logit")
+        else:
+            rerank_scores = np.full(len(ids), np.nan, dtype=np.float32)
+            order = np.arange(len(ids))
+            positive = positive_scores(dense, "cosine")
+        t4 = time.perf_counter()
+        selected = selector.select(positive)
+        t5 = time.perf_counter()
+        return Retrieval(
+            question=question, chunk_ids=ids[order], doc_ids=tuple(chunks[i]["doc_id"] for i in order),
+            texts=tuple(texts[i] for i in order), dense_scores=dense[order], rerank_scores=rerank_scores[order],
+            selected=int(selected),
+            trace={"embed_ms": embed_ms, "search_ms": search_ms, "rerank_ms": (t4 - t3) * 1e3,
+                   "select_ms": (t5 - t4) * 1e3, "candidates": int(len(ids)),
+                   "reranker": getattr(reranker, "name", None) if reranker is not None else None,
+                   "selector": selector.name})

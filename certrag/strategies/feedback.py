@@ -1,0 +1,83 @@
+"""SAGE's self-feedback loop (Wang et al., 2025, section 3.3): the LLM judges its own answer and widens or narrows
+the context."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from certrag.llm.prompts import Passage, feedback_messages
+from certrag.strategies.base import LLM, Selection, Strategy, StrategyResult, generate
+from certrag.strategies.plain import Plain
+
+
+_SCORE = re.compile(r"score\s*:?\s*(\d+(?:\.\d+)?)", re.I)
+_FLAG = re.compile(r"context\s*:?\s*([+-]?\s*1)\b", re.I)
+
+
+def parse_feedback(text: str) -> tuple[float | None, int]:
+    """(score 1-10 or None when absent, flag -1 / +1 / 0 when absent)."""
+    s = _SCORE.search(text)
+    f = _FLAG.search(text)
+    score = min(10.0, max(1.0, float(s.group(1)))) if s else None
+    flag = 0
+    if f:
+        flag = -1 if f.group(1).replace(" ", "").startswith("-") else 1
+    return score, flag
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """SAGE's self-feedback loop (Wang et al., 2025, section 3.3) around any strategy: after each answer the LLM
+    scores it 1-10 and flags the context -1 (too much) or +1 (too little); a score at or above `threshold` ends the
+    loop, otherwise min_k moves by the flag and the question is answered again, for at most `max_rounds` rounds.
+    Every round's tokens count. Without a usable score the loop stops (the answer stands).
+
+    The context of each round comes from `selection` (the engine's: the gradient selector's cut of the same
+    reranked candidates with min_k moved); without one, from the given passages (all of them first, then the first
+    min_k). Compose it with any strategy: Feedback(ChainOfNote())."""
+
+    base: Strategy = field(default_factory=Plain)
+    threshold: float = 9.0
+    max_rounds: int = 3
+    max_new_tokens: int = 16  # the judge's budget
+
+    @property
+    def name(self) -> str:
+        base = getattr(self.base, "name", "plain")
+        return "feedback" if base == "plain" else f"feedback:{base}"
+
+    def with_max_new_tokens(self, n: int) -> "Feedback":
+        """n is the answering strategy's budget; the judge's stays."""
+        return dataclasses.replace(self, base=self.base.with_max_new_tokens(n))
+
+    def run(self, question: str, passages: Sequence[Passage], llm: LLM, qtype: str = "open",
+            options: list[str] | None = None, *, selection: Selection | None = None,
+            record_lookback: bool = False) -> StrategyResult:
+        if self.max_rounds < 1:
+            raise ValueError("max_rounds must be at least 1")
+        selection = selection or Selection.fixed(passages)
+        calls, history, result, answer_call = [], [], None, 0
+        k = selection.min_k
+        for round_no in range(1, self.max_rounds + 1):
+            context = list(selection.passages(k))
+            result = self.base.run(question, context, llm, qtype, options, record_lookback=record_lookback)
+            answer_call = None if result.answer_call is None else len(calls) + result.answer_call
+            calls += result.calls
+            judge = generate(llm, feedback_messages(question, context, result.text),
+                             max_new_tokens=self.max_new_tokens)
+            calls.append(judge)
+            score, flag = parse_feedback(judge.text)
+            history.append({"round": round_no, "min_k": k, "passages": len(context), "answer": result.text,
+                            "score": score, "flag": flag})
+            if score is None or score >= self.threshold or flag == 0:
+                break
+            new_k = min(selection.max_k, max(1, k + flag))
+            if new_k == k:
+                break
+            k = new_k
+        return StrategyResult(text=result.text, calls=tuple(calls), notes=result.notes, rejected=result.rejected,
+                              malformed=result.malformed, rounds=len(history), passages_used=result.passages_used,
+                              history=tuple(history), answer_call=answer_call, cited=result.cited)
