@@ -11,7 +11,7 @@ from importlib import import_module
 
 __version__ = "0.1.0"
 
-from certrag.index import HnswIndex, IndexFormatError, SearchResult
+from certrag.index import HnswIndex, IndexFormatError, IndexIOError, SearchResult
 
 # public name -> the module that defines it
 _LAZY = {
@@ -51,4 +51,4 @@ def info() -> dict:
     return {"version": __version__, **build}
 
 
-__all__ = sorted([*_LAZY, "HnswIndex", "IndexFormatError", "SearchResult", "info", "__version__"])
+__all__ = sorted([*_LAZY, "HnswIndex", "IndexFormatError", "IndexIOError", "SearchResult", "info", "__version__"])

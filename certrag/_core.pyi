@@ -5,6 +5,10 @@ import numpy as np
 import numpy.typing as npt
 
 class IndexFormatError(ValueError): ...
+class IndexIOError(OSError): ...
+
+def checksum64(data: bytes) -> int:
+    """The index file's checksum of a byte string (for tools and tests that build or repair files)."""
 
 def build_info() -> dict[str, object]: ...
 def distance(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32], kind: str, level: str

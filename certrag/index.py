@@ -20,9 +20,14 @@ import numpy as np
 from certrag import _core
 
 IndexFormatError = _core.IndexFormatError
+IndexIOError = _core.IndexIOError  # an OSError: the file system refused a save or load
 
 METRICS = ("ip", "l2", "cosine")
 DEFAULT_EF = 64
+MAX_DIM = 65536
+MAX_M = 2048
+MAX_ID = 2**63 - 1
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -68,11 +73,13 @@ def _as_ids(x: object, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def _positive_int(value: object, name: str, minimum: int = 1) -> int:
+def _positive_int(value: object, name: str, minimum: int = 1, maximum: int = _INT32_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer; got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}; got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}; got {value}")
     return int(value)
 
 
@@ -96,12 +103,12 @@ class HnswIndex:
         if _native is not None:
             self._native = _native
             return
-        dim = _positive_int(dim, "dim")
+        dim = _positive_int(dim, "dim", 1, MAX_DIM)
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}; got {metric!r}")
-        M = _positive_int(M, "M", 2)
+        M = _positive_int(M, "M", 2, MAX_M)
         ef_construction = _positive_int(ef_construction, "ef_construction")
-        seed = _positive_int(seed, "seed", 0)
+        seed = _positive_int(seed, "seed", 0, 2**64 - 1)
         self._native = _core.HnswIndex(dim, metric, M, ef_construction, seed)
 
     @property
@@ -141,6 +148,9 @@ class HnswIndex:
         n = vectors.shape[0]
         if ids is None:
             start = self._native.max_label() + 1
+            if start > MAX_ID - n + 1:
+                raise ValueError(f"ids: automatic ids continue from the largest id ever added ({start - 1}) and would "
+                                 f"pass 2**63 - 1; pass ids explicitly")
             ids_arr = np.arange(start, start + n, dtype=np.int64)
         else:
             ids_arr = _as_ids(ids, "ids")
@@ -160,13 +170,13 @@ class HnswIndex:
         if not (type(queries) is np.ndarray and queries.dtype == np.float32 and queries.ndim == 2
                 and queries.flags.c_contiguous):
             queries = _as_matrix(queries, "queries", self.dim)
-        if type(k) is not int or k < 1:
+        if type(k) is not int or not 1 <= k <= _INT32_MAX:
             k = _positive_int(k, "k")
         if ef is None:
             ef = k if k > DEFAULT_EF else DEFAULT_EF
-        elif type(ef) is not int or ef < 1:
+        elif type(ef) is not int or not 1 <= ef <= _INT32_MAX:
             ef = _positive_int(ef, "ef")
-        if type(num_threads) is not int or num_threads < 0:
+        if type(num_threads) is not int or not 0 <= num_threads <= _INT32_MAX:
             num_threads = _positive_int(num_threads, "num_threads", 0)
         ids, scores = self._native.search(queries, k, ef, num_threads)
         return SearchResult(ids=ids, scores=scores)
@@ -190,7 +200,8 @@ class HnswIndex:
         return stats
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes the index atomically (temporary file, fsync, rename): a crash leaves the old file intact."""
+        """Writes the index atomically (temporary file, fsync, rename): a crash leaves the old file intact. A file
+        system that refuses raises IndexIOError (an OSError)."""
         self._native.save(os.fspath(path))
 
     @classmethod

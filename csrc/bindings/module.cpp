@@ -6,8 +6,10 @@
 #include <pybind11/stl.h>
 
 #include <sstream>
+#include <string_view>
 #include <thread>
 
+#include "certrag/checksum.h"
 #include "certrag/distance.h"
 #include "certrag/hnsw.h"
 #include "certrag/pair_scorer.h"
@@ -83,6 +85,16 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "certrag's native core: HNSW index and distance kernels";
 
   py::register_exception<certrag::IndexFormatError>(m, "IndexFormatError", PyExc_ValueError);
+  py::register_exception<certrag::IndexIoError>(m, "IndexIOError", PyExc_OSError);
+
+  m.def(
+      "checksum64",
+      [](const py::bytes& data) {
+        const std::string_view view(data);
+        return certrag::checksum64(view.data(), view.size());
+      },
+      py::arg("data"),
+      "The index file's checksum of a byte string (for tools and tests that build or repair files).");
 
   m.def("build_info", []() {
     py::dict info;

@@ -189,12 +189,8 @@ void HnswIndex::add(std::size_t n, const float* vectors, const std::int64_t* lab
   if (n == 0) return;
   const std::size_t dim = config_.dim;
   for (std::size_t i = 0; i < n; ++i) {
-    const float* v = vectors + i * dim;
-    if (!all_finite(v, dim))
-      throw std::invalid_argument("vectors[" + std::to_string(i) + "] holds a NaN or infinite value");
-    if (config_.metric == Metric::cosine && kernels_.dot(v, v, dim) <= 0.f)
-      throw std::invalid_argument("vectors[" + std::to_string(i) +
-                                  "] is all zeros; the cosine metric needs non-zero vectors");
+    const std::string problem = vector_problem(vectors + i * dim, dim, config_.metric == Metric::cosine);
+    if (!problem.empty()) throw std::invalid_argument("vectors[" + std::to_string(i) + "] " + problem);
     if (labels[i] < 0)
       throw std::invalid_argument("ids[" + std::to_string(i) + "] is " + std::to_string(labels[i]) +
                                   "; ids must be >= 0");
@@ -235,8 +231,7 @@ void HnswIndex::add(std::size_t n, const float* vectors, const std::int64_t* lab
           float* dst = reinterpret_cast<float*>(record + vec_offset_);
           const float* src = vectors + i * dim;
           if (config_.metric == Metric::cosine) {
-            const float inv = 1.0f / std::sqrt(kernels_.dot(src, src, dim));
-            for (std::size_t j = 0; j < dim; ++j) dst[j] = src[j] * inv;
+            normalise_into(src, dim, dst, kernels_.dot);
           } else {
             std::memcpy(dst, src, dim * sizeof(float));
           }
@@ -365,15 +360,16 @@ void HnswIndex::select_neighbours(std::vector<DistId>& candidates, std::size_t m
   candidates.swap(kept);
 }
 
-void HnswIndex::connect(std::uint32_t id, const std::vector<DistId>& neighbours, int level) {
+void HnswIndex::link_out(std::uint32_t id, const std::vector<DistId>& neighbours, int level) {
+  std::lock_guard<std::mutex> lock(link_lock(id));
+  std::uint32_t* links = links_of(id, level);
+  std::uint32_t n = 0;
+  for (const DistId& nb : neighbours) store_relaxed(links + 1 + n++, nb.second);
+  store_release(links, n);
+}
+
+void HnswIndex::link_back(std::uint32_t id, const std::vector<DistId>& neighbours, int level) {
   const std::size_t cap = max_links(level);
-  {
-    std::lock_guard<std::mutex> lock(link_lock(id));
-    std::uint32_t* links = links_of(id, level);
-    std::uint32_t n = 0;
-    for (const DistId& nb : neighbours) store_relaxed(links + 1 + n++, nb.second);
-    store_release(links, n);
-  }
   std::vector<DistId> pool;
   for (const DistId& nb : neighbours) {
     std::lock_guard<std::mutex> lock(link_lock(nb.second));
@@ -398,6 +394,12 @@ void HnswIndex::connect(std::uint32_t id, const std::vector<DistId>& neighbours,
   }
 }
 
+// Three phases, so that a concurrent search never reaches the new node before it can leave it: (1) top-down, the
+// searches that choose its neighbours at every level (they read only the level being searched, so deferring the
+// links below changes no choice); (2) its own links at every level; (3) bottom-up, its id written into its
+// neighbours' lists, the only step that makes it reachable. Linking level by level from the top, as the paper
+// writes it, published the node at an upper level while its level-0 list was still empty: a search descending
+// through it saw one result and k - 1 empty slots.
 void HnswIndex::insert(std::uint32_t id, int level) {
   std::unique_lock<std::mutex> top_lock(entry_mutex_);
   const std::uint32_t entry = entry_;
@@ -411,7 +413,9 @@ void HnswIndex::insert(std::uint32_t id, int level) {
   const float* q = vector_of(id);
   std::uint32_t cur = entry;
   if (level < max_level) cur = greedy_descent(q, entry, max_level, level + 1);
-  for (int l = std::min(level, max_level); l >= 0; --l) {
+  const int top = std::min(level, max_level);
+  std::vector<std::vector<DistId>> chosen(static_cast<std::size_t>(top) + 1);
+  for (int l = top; l >= 0; --l) {
     std::vector<DistId> found = search_layer(q, cur, config_.ef_construction, l, false);
     // A concurrent insert may already have linked this node at this level; never link a node to itself.
     found.erase(std::remove_if(found.begin(), found.end(), [id](const DistId& d) { return d.second == id; }),
@@ -419,8 +423,10 @@ void HnswIndex::insert(std::uint32_t id, int level) {
     if (found.empty()) continue;
     cur = found.front().second;
     select_neighbours(found, config_.M);
-    connect(id, found, l);
+    chosen[static_cast<std::size_t>(l)] = std::move(found);
   }
+  for (int l = 0; l <= top; ++l) link_out(id, chosen[static_cast<std::size_t>(l)], l);
+  for (int l = 0; l <= top; ++l) link_back(id, chosen[static_cast<std::size_t>(l)], l);
   if (level > max_level) {
     entry_ = id;
     max_level_ = level;
@@ -453,12 +459,8 @@ void HnswIndex::search(std::size_t n, const float* queries, std::size_t k, std::
   if (k < 1) throw std::invalid_argument("k must be at least 1");
   const std::size_t dim = config_.dim;
   for (std::size_t i = 0; i < n; ++i) {
-    const float* q = queries + i * dim;
-    if (!all_finite(q, dim))
-      throw std::invalid_argument("queries[" + std::to_string(i) + "] holds a NaN or infinite value");
-    if (config_.metric == Metric::cosine && kernels_.dot(q, q, dim) <= 0.f)
-      throw std::invalid_argument("queries[" + std::to_string(i) +
-                                  "] is all zeros; the cosine metric needs non-zero queries");
+    const std::string problem = vector_problem(queries + i * dim, dim, config_.metric == Metric::cosine);
+    if (!problem.empty()) throw std::invalid_argument("queries[" + std::to_string(i) + "] " + problem);
   }
   std::shared_lock<std::shared_mutex> shared(grow_mutex_);
   const bool normalise = config_.metric == Metric::cosine;
@@ -466,9 +468,8 @@ void HnswIndex::search(std::size_t n, const float* queries, std::size_t k, std::
     const float* q = queries + i * dim;
     std::vector<float> unit;
     if (normalise) {
-      unit.assign(q, q + dim);
-      const float inv = 1.0f / std::sqrt(kernels_.dot(q, q, dim));
-      for (float& x : unit) x *= inv;
+      unit.resize(dim);
+      normalise_into(q, dim, unit.data(), kernels_.dot);
       q = unit.data();
     }
     search_one(q, k, ef, out_labels + i * k, out_scores + i * k);

@@ -51,6 +51,17 @@ class IndexFormatError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Raised by save() and load() when the file system refuses (a missing folder, no permission, a full disk).
+class IndexIoError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Under ip and l2, vectors and queries whose L2 norm exceeds this are refused: below it every score (|q.x| <=
+// |q||x| <= 1e36, |q - x|^2 <= 4e36) stays finite in float32. Under cosine every non-zero finite vector is accepted:
+// it is scaled before it is normalised, so its norm never overflows.
+constexpr double kMaxNorm = 1e18;
+
 struct HnswStats {
   std::size_t nodes = 0;       // vectors in the graph, deleted ones included
   std::size_t live = 0;        // vectors that searches can return
@@ -73,8 +84,9 @@ class HnswIndex {
   HnswIndex& operator=(const HnswIndex&) = delete;
 
   // Adds n vectors (row-major, n x dim) under the given labels. All-or-nothing with respect to validation: a
-  // non-finite value, a zero vector under the cosine metric, a negative label, a label repeated in the batch or
-  // already live in the index throws std::invalid_argument before anything changes.
+  // non-finite value, a zero vector under the cosine metric, a norm above kMaxNorm under ip or l2, a negative label,
+  // a label repeated in the batch or already live in the index throws std::invalid_argument before anything
+  // changes.
   void add(std::size_t n, const float* vectors, const std::int64_t* labels, int num_threads);
 
   // For each of n queries writes the k best labels and scores, best first; rows with fewer than k results are padded
@@ -123,7 +135,8 @@ class HnswIndex {
   std::vector<DistId> search_layer(const float* q, std::uint32_t entry, std::size_t ef, int level,
                                    bool skip_deleted) const;
   void select_neighbours(std::vector<DistId>& candidates, std::size_t m) const;
-  void connect(std::uint32_t id, const std::vector<DistId>& neighbours, int level);
+  void link_out(std::uint32_t id, const std::vector<DistId>& neighbours, int level);   // the node's own list
+  void link_back(std::uint32_t id, const std::vector<DistId>& neighbours, int level);  // into its neighbours' lists
   void search_one(const float* q, std::size_t k, std::size_t ef, std::int64_t* out_labels, float* out_scores) const;
   bool is_deleted(std::uint32_t id) const;
   void prefetch_vector(std::uint32_t id) const;

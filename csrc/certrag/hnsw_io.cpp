@@ -51,7 +51,7 @@ class FileWriter {
  public:
   explicit FileWriter(const std::string& path) : path_(path) {
     fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw std::runtime_error("could not create " + path + ": " + errno_text());
+    if (fd_ < 0) throw IndexIoError("could not create " + path + ": " + errno_text());
   }
   ~FileWriter() {
     if (fd_ >= 0) ::close(fd_);
@@ -71,7 +71,7 @@ class FileWriter {
       const ssize_t n = ::write(fd_, p, size);
       if (n < 0) {
         if (errno == EINTR) continue;
-        throw std::runtime_error("could not write " + path_ + ": " + errno_text());
+        throw IndexIoError("could not write " + path_ + ": " + errno_text());
       }
       p += n;
       size -= static_cast<std::size_t>(n);
@@ -80,13 +80,13 @@ class FileWriter {
   }
   void pwrite_at(const void* data, std::size_t size, std::size_t offset) {
     if (::pwrite(fd_, data, size, static_cast<off_t>(offset)) != static_cast<ssize_t>(size))
-      throw std::runtime_error("could not write " + path_ + ": " + errno_text());
+      throw IndexIoError("could not write " + path_ + ": " + errno_text());
   }
   void sync_and_close() {
-    if (::fsync(fd_) != 0) throw std::runtime_error("could not fsync " + path_ + ": " + errno_text());
+    if (::fsync(fd_) != 0) throw IndexIoError("could not fsync " + path_ + ": " + errno_text());
     const int fd = fd_;
     fd_ = -1;
-    if (::close(fd) != 0) throw std::runtime_error("could not close " + path_ + ": " + errno_text());
+    if (::close(fd) != 0) throw IndexIoError("could not close " + path_ + ": " + errno_text());
   }
   std::size_t written() const { return written_; }
   Checksum64 checksum;
@@ -151,7 +151,7 @@ void HnswIndex::save(const std::string& path) const {
     out.pwrite_at(header, kHeaderSize, 0);
     out.sync_and_close();
     if (::rename(tmp.c_str(), path.c_str()) != 0)
-      throw std::runtime_error("could not rename " + tmp + " to " + path + ": " + errno_text());
+      throw IndexIoError("could not rename " + tmp + " to " + path + ": " + errno_text());
   } catch (...) {
     ::unlink(tmp.c_str());
     throw;
@@ -171,10 +171,10 @@ class FileReader {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) {
       if (errno == ENOENT) throw std::invalid_argument("no index file at " + path);
-      throw std::runtime_error("could not open " + path + ": " + errno_text());
+      throw IndexIoError("could not open " + path + ": " + errno_text());
     }
     struct stat st;
-    if (::fstat(fd_, &st) != 0) throw std::runtime_error("could not stat " + path + ": " + errno_text());
+    if (::fstat(fd_, &st) != 0) throw IndexIoError("could not stat " + path + ": " + errno_text());
     if (!S_ISREG(st.st_mode)) throw IndexFormatError(path + " is not a regular file");
     size_ = static_cast<std::size_t>(st.st_size);
   }
@@ -260,7 +260,7 @@ std::unique_ptr<HnswIndex> HnswIndex::load(const std::string& path, bool use_mma
   const unsigned char* mapped = nullptr;
   if (use_mmap) {
     map = ::mmap(nullptr, in.size(), PROT_READ, MAP_SHARED, in.fd(), 0);
-    if (map == MAP_FAILED) throw std::runtime_error("could not mmap " + path + ": " + errno_text());
+    if (map == MAP_FAILED) throw IndexIoError("could not mmap " + path + ": " + errno_text());
     index->map_base_ = map;  // owned by the index from here, so a throw below unmaps it
     index->map_size_ = in.size();
     mapped = static_cast<const unsigned char*>(map);
@@ -342,8 +342,16 @@ std::unique_ptr<HnswIndex> HnswIndex::load(const std::string& path, bool use_mma
     if (rec[0] > index->M0_) throw bad("node " + std::to_string(id) + " has too many level-0 links");
     for (std::uint32_t j = 1; j <= rec[0]; ++j)
       if (rec[j] >= count) throw bad("node " + std::to_string(id) + " links to a node out of range");
-    if (!all_finite(index->vector_of(static_cast<std::uint32_t>(id)), config.dim))
-      throw bad("node " + std::to_string(id) + " holds a non-finite vector");
+    const float* v = index->vector_of(static_cast<std::uint32_t>(id));
+    if (!all_finite(v, config.dim)) throw bad("node " + std::to_string(id) + " holds a non-finite vector");
+    // what the metric promises: cosine rows were normalised on the way in; ip and l2 rows keep scores finite
+    const double norm = norm_of(v, config.dim);
+    if (config.metric == Metric::cosine && std::fabs(norm - 1.0) > 1e-3)
+      throw bad("node " + std::to_string(id) + " holds a vector of norm " + short_number(norm) +
+                " under the cosine metric (stored vectors are unit length)");
+    if (config.metric != Metric::cosine && norm > kMaxNorm)
+      throw bad("node " + std::to_string(id) + " holds a vector of norm " + short_number(norm) +
+                ", above the limit that keeps scores finite");
   }
   std::size_t offset = 0;
   for (std::size_t id = 0; id < count; ++id) {
