@@ -21,7 +21,19 @@ from certrag.strategies import STRATEGY_NAMES
 log = logging.getLogger("certrag")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """Any ValueError or OSError a command did not turn into a message itself (a damaged store, a bad file, a full
+    disk) ends the command with one line on stderr and exit code 1, never a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (ValueError, OSError) as exc:
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            raise click.ClickException(message) from None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(certrag.__version__, prog_name="certrag")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
 def main(verbose: bool) -> None:

@@ -72,16 +72,23 @@ class SelectionConfig:
     def __post_init__(self) -> None:
         if self.method not in SELECTORS:
             raise ValueError(f"selection.method must be one of {sorted(SELECTORS)}; got {self.method!r}")
-        self.make()  # validates the chosen method's parameters
+        for method in SELECTORS:  # every field is checked, not only the chosen method's: each is documented
+            try:
+                self._make(method)
+            except ValueError as exc:
+                raise ValueError(f"selection: {exc}") from None
 
     def make(self) -> Selector:
+        return self._make(self.method)
+
+    def _make(self, method: str) -> Selector:
         from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector
 
-        if self.method == "gradient":
+        if method == "gradient":
             return GradientSelector(min_k=self.min_k, g=self.g, max_k=self.max_k)
-        if self.method == "topk":
+        if method == "topk":
             return TopKSelector(k=self.k)
-        if self.method == "autocut":
+        if method == "autocut":
             return AutocutSelector(jumps=self.jumps, max_k=self.max_k)
         return TopPSelector(p=self.p, temperature=self.temperature, max_k=self.max_k)
 

@@ -51,6 +51,8 @@ def _from_jsonl(path: Path) -> list[Document]:
 def _from_path(path: Path, root: Path | None = None) -> list[Document]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + (".jsonl",))
+        if not files:
+            raise ValueError(f"{path} holds no documents (files ending in {', '.join(TEXT_SUFFIXES + ('.jsonl',))})")
         out = []
         for f in files:
             out += _from_path(f, path)

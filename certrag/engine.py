@@ -111,7 +111,10 @@ class Engine:
         lock = None if read_only else StoreLock(path)
         try:
             data = read_store(path, verify=verify, mmap=read_only)
-            config = EngineConfig.from_dict(data.config)
+            try:
+                config = EngineConfig.from_dict(data.config)
+            except (ValueError, TypeError) as exc:
+                raise StoreError(f"{path}: the stored config is damaged ({exc})") from None
             embedder = embedder or cls._default_embedder(config)
             if data.models.get("embedder") != embedder.name or data.index.dim != embedder.dim:
                 raise StoreError(f"{path} was built with the embedder {data.models.get('embedder')!r} "

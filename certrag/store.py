@@ -1,6 +1,7 @@
 """The on-disk store: one directory, versioned, written atomically.
 
-    DIR/CURRENT            the name of the live version folder (replaced by rename)
+    DIR/CURRENT            the live version folder's name and the SHA-256 of its manifest: "v000007 sha256:<hex>"
+                           (replaced by rename; format 1 stores hold the name alone)
     DIR/v000007/           one complete version:
         manifest.json      format version, config, model names, counts, and SHA-256 of every other file
         chunks.jsonl       one chunk per line: id, doc_id, start, end, n_tokens, text
@@ -11,7 +12,9 @@
 
 A write builds a complete new version folder under a temporary name, fsyncs it, renames it into place and then
 swaps CURRENT by rename; a crash or a kill at any point leaves the previous version readable. Old versions are
-deleted after the swap.
+deleted after the swap; a reader that was opening one when it went starts again from CURRENT, so it sees one whole
+version. Every byte is checked on open: CURRENT's form, the manifest against the checksum in CURRENT, every other
+file against the manifest; any damage raises StoreError with the reason.
 """
 
 from __future__ import annotations
@@ -20,16 +23,18 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from certrag.index import HnswIndex
+from certrag.index import HnswIndex, IndexIOError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CURRENT carries the manifest's SHA-256
 FILES = ("chunks.jsonl", "documents.jsonl", "embeddings.safetensors", "index.hnsw")
 
 
@@ -75,7 +80,7 @@ def _write(path: Path, data: bytes) -> None:
 
 def write_file_atomic(path: Path, data: bytes) -> None:
     """Replaces path with data so that a reader sees either the old file or the whole new one, even after a kill."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         _write(tmp, data)
         os.replace(tmp, path)
@@ -102,15 +107,28 @@ class StoreLock:
             self._fd = -1
 
 
-def current_version(root: Path) -> Path:
+_POINTER = re.compile(r"(v[0-9]{6})(?: sha256:([0-9a-f]{64}))?\n?")
+
+
+def _pointer(root: Path) -> tuple[str, str | None]:
+    """(version folder name, manifest SHA-256 or None for a format 1 store) from CURRENT."""
     pointer = root / "CURRENT"
     if not root.is_dir():
         raise StoreError(f"no store at {root}")
-    if not pointer.exists():
-        raise StoreError(f"{root} is not a certrag store (no CURRENT file)")
-    name = pointer.read_text().strip()
-    if not name or "/" in name or name.startswith("."):
-        raise StoreError(f"{root}/CURRENT is damaged")
+    try:
+        raw = pointer.read_bytes()
+    except FileNotFoundError:
+        raise StoreError(f"{root} is not a certrag store (no CURRENT file)") from None
+    except OSError as exc:
+        raise StoreError(f"{root}/CURRENT is unreadable: {exc}") from None
+    m = _POINTER.fullmatch(raw.decode("ascii", errors="replace"))
+    if m is None:
+        raise StoreError(f"{root}/CURRENT is damaged (it must name a version folder and its manifest's checksum)")
+    return m.group(1), m.group(2)
+
+
+def current_version(root: Path) -> Path:
+    name, _ = _pointer(root)
     version = root / name
     if not version.is_dir():
         raise StoreError(f"{root}/CURRENT names {name}, which is missing: the store is damaged")
@@ -153,12 +171,13 @@ def write_store(root: Path, data: StoreData) -> Path:
         for key, value in data.manifest.items():
             if key not in manifest:
                 manifest[key] = value
-        _write(tmp / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+        manifest_bytes = (json.dumps(manifest, indent=2) + "\n").encode()
+        _write(tmp / "manifest.json", manifest_bytes)
         _fsync_dir(tmp)
         tmp.rename(root / name)
         _fsync_dir(root)
-        pointer_tmp = root / f".CURRENT.tmp-{os.getpid()}"
-        _write(pointer_tmp, (name + "\n").encode())
+        pointer_tmp = root / f".CURRENT.tmp-{os.getpid()}-{threading.get_ident()}"
+        _write(pointer_tmp, f"{name} sha256:{hashlib.sha256(manifest_bytes).hexdigest()}\n".encode())
         os.replace(pointer_tmp, root / "CURRENT")
         _fsync_dir(root)
     except BaseException:
@@ -170,16 +189,39 @@ def write_store(root: Path, data: StoreData) -> Path:
     return root / name
 
 
-def read_store(root: Path, *, verify: bool = True, mmap: bool = False) -> StoreData:
-    """Opens the current version, checking the format version and (with verify) every file's SHA-256."""
+def read_store(root: Path, *, verify: bool = True, mmap: bool = False, attempts: int = 5) -> StoreData:
+    """Opens the current version, checking CURRENT, the manifest's checksum and format version and (with verify)
+    every file's SHA-256. A version deleted by a writer while this reader opened it is retried from CURRENT (up to
+    `attempts` times), so a reader sees one whole version or a StoreError, never a missing file."""
+    for attempt in range(attempts):
+        name, _ = _pointer(root)
+        try:
+            return _read_version(root, verify=verify, mmap=mmap)
+        except (FileNotFoundError, NotADirectoryError, IndexIOError, _VersionGone) as exc:
+            if _pointer(root)[0] == name or attempt == attempts - 1:
+                raise StoreError(f"{root}: {name} is incomplete ({exc}): the store is damaged") from None
+    raise AssertionError("unreachable")
+
+
+class _VersionGone(Exception):
+    """A file of the version being read vanished (a writer replaced the version meanwhile)."""
+
+
+def _read_version(root: Path, *, verify: bool, mmap: bool) -> StoreData:
     from safetensors.numpy import load_file
 
-    version = current_version(root)
+    name, manifest_sha = _pointer(root)
+    version = root / name
+    if not version.is_dir():
+        raise _VersionGone(f"{name} is missing")
+    raw = (version / "manifest.json").read_bytes()
+    if manifest_sha is not None and hashlib.sha256(raw).hexdigest() != manifest_sha:
+        raise StoreError(f"{root}: manifest.json fails its checksum: the store is damaged")
     try:
-        manifest = json.loads((version / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise StoreError(f"{version}/manifest.json is unreadable: {exc}") from None
-    if manifest.get("format") != "certrag-store":
+    if not isinstance(manifest, dict) or manifest.get("format") != "certrag-store":
         raise StoreError(f"{root} is not a certrag store")
     fv = manifest.get("format_version")
     if not isinstance(fv, int) or fv < 1:
@@ -187,29 +229,46 @@ def read_store(root: Path, *, verify: bool = True, mmap: bool = False) -> StoreD
     if fv > FORMAT_VERSION:
         raise StoreError(f"{root} was written by a newer certrag (store format {fv}); this build reads up to "
                          f"{FORMAT_VERSION}: upgrade certrag")
+    if fv >= 2 and manifest_sha is None:
+        raise StoreError(f"{root}/CURRENT is damaged: it lacks the manifest's checksum")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not isinstance(manifest.get("config"), dict) or \
+            not isinstance(manifest.get("models"), dict):
+        raise StoreError(f"{root}: manifest.json is damaged (files, config or models missing)")
     for f in FILES:
         path = version / f
-        if not path.exists():
-            raise StoreError(f"{root}: {f} is missing from {version.name}")
-        expected = manifest.get("files", {}).get(f, {})
-        if path.stat().st_size != expected.get("bytes"):
+        expected = files.get(f)
+        if not isinstance(expected, dict):
+            raise StoreError(f"{root}: manifest.json does not list {f}: the store is damaged")
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise _VersionGone(f"{f} is missing") from None
+        if size != expected.get("bytes"):
             raise StoreError(f"{root}: {f} has the wrong size: the store is damaged")
         if verify and _sha256(path) != expected.get("sha256"):
             raise StoreError(f"{root}: {f} fails its checksum: the store is damaged")
     try:
-        chunks = [json.loads(line) for line in (version / "chunks.jsonl").read_text().splitlines() if line]
+        chunks = [json.loads(line) for line in (version / "chunks.jsonl").read_text("utf-8").splitlines() if line]
         documents = {}
-        for line in (version / "documents.jsonl").read_text().splitlines():
+        for line in (version / "documents.jsonl").read_text("utf-8").splitlines():
             if line:
                 row = json.loads(line)
                 documents[row.pop("id")] = row
         tensors = load_file(str(version / "embeddings.safetensors"))
         index = HnswIndex.load(version / "index.hnsw", mmap=mmap)
-    except (ValueError, KeyError, json.JSONDecodeError) as exc:
+        ids, vectors = tensors["ids"], tensors["vectors"]
+        next_chunk_id = manifest.get("next_chunk_id", 0)
+        if not isinstance(next_chunk_id, int) or isinstance(next_chunk_id, bool):
+            raise ValueError(f"next_chunk_id is {next_chunk_id!r}")
+        chunk_ids = [c["id"] for c in chunks]
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
         raise StoreError(f"{root}: damaged store ({exc})") from None
-    ids, vectors = tensors["ids"], tensors["vectors"]
     if not (len(chunks) == len(ids) == len(vectors) == len(index)):
         raise StoreError(f"{root}: chunks, embeddings and index disagree on the count")
+    if chunk_ids != ids.tolist():
+        raise StoreError(f"{root}: chunks and embeddings disagree on the chunk ids")
+    if len(ids) and next_chunk_id <= int(ids.max()):
+        raise StoreError(f"{root}: next_chunk_id {next_chunk_id} is not above the largest chunk id {int(ids.max())}")
     return StoreData(config=manifest["config"], models=manifest["models"], chunks=chunks, documents=documents,
-                     ids=ids, vectors=vectors, index=index, next_chunk_id=int(manifest.get("next_chunk_id", 0)),
-                     manifest=manifest)
+                     ids=ids, vectors=vectors, index=index, next_chunk_id=next_chunk_id, manifest=manifest)
