@@ -126,7 +126,17 @@ def test_bad_input_gives_clear_errors_or_documented_results(store, tmp_path, lea
 
 
 def _current(path):
-    return path / (path / "CURRENT").read_text().strip()
+    return path / (path / "CURRENT").read_text().split()[0]
+
+
+def _rewrite_manifest(path, manifest):
+    """Writes a manifest as a (newer or older) certrag would: the file and the checksum in CURRENT."""
+    import hashlib
+
+    raw = json.dumps(manifest).encode()
+    version = _current(path)
+    (version / "manifest.json").write_bytes(raw)
+    (path / "CURRENT").write_text(f"{version.name} sha256:{hashlib.sha256(raw).hexdigest()}\n")
 
 
 def test_newer_or_damaged_stores_are_refused(store):
@@ -135,11 +145,11 @@ def test_newer_or_damaged_stores_are_refused(store):
     manifest_path = _current(path) / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["format_version"] = 99
-    manifest_path.write_text(json.dumps(manifest))
+    _rewrite_manifest(path, manifest)
     with pytest.raises(StoreError, match="newer certrag"):
         Engine.open(path, read_only=True)
-    manifest["format_version"] = 1
-    manifest_path.write_text(json.dumps(manifest))
+    manifest["format_version"] = 2
+    _rewrite_manifest(path, manifest)
     chunks = _current(path) / "chunks.jsonl"
     data = bytearray(chunks.read_bytes())
     data[10] ^= 0x01
