@@ -351,15 +351,16 @@ class Engine:
     def llm(self, value) -> None:
         self._llm = value
 
-    def answer(self, question: str, strategy="plain", *, options: AnswerOptions | None = None,
+    def answer(self, question: str, strategy="plain", *, answer_options: AnswerOptions | None = None,
                **fields) -> Answer:
         """Retrieves, then answers with a strategy: a name from certrag.strategies.STRATEGY_NAMES (plain,
         chain_of_note, self_rag, feedback = SAGE's loop around plain, feedback:<name> around another) or a
         strategy object such as SelfRag(delta=0.5) or Feedback(ChainOfNote()). The feedback loop re-selects from
         the same reranked candidates with min_k moved by the model's flag, so retrieval runs once.
 
-        The request's options come as one AnswerOptions, or as its fields by keyword (qtype, options, prices,
-        max_new_tokens, certify, force_certify, confidence); see certrag.answering.AnswerOptions.
+        The request's options come as one AnswerOptions (answer_options=...), or as its fields by keyword (qtype,
+        options -- the choices of a multiple-choice question --, prices, max_new_tokens, certify, force_certify,
+        confidence); see certrag.answering.AnswerOptions.
 
         certify=True marks every candidate trusted or not under the store's conformal calibration and, when its
         diagnostics say the guarantee holds (or force_certify=True), sends the trusted candidates instead of the
@@ -369,9 +370,10 @@ class Engine:
         the one shipped for the model)."""
         from certrag.strategies import make_strategy
 
-        if options is not None and fields:
-            raise ValueError("give the answer options either as options=AnswerOptions(...) or as keywords, not both")
-        opts = options if options is not None else AnswerOptions(**fields)
+        if answer_options is not None and fields:
+            raise ValueError("give the answer options either as answer_options=AnswerOptions(...) or as keywords, "
+                             "not both")
+        opts = answer_options if answer_options is not None else AnswerOptions(**fields)
         chosen = make_strategy(strategy)
         if opts.max_new_tokens is not None:
             chosen = chosen.with_max_new_tokens(opts.max_new_tokens)

@@ -247,3 +247,64 @@ def test_answer_with_the_real_small_model(store, leads, smollm):
     assert fb.input_tokens > a.input_tokens  # the judging calls are counted too
     with pytest.raises(ValueError, match="strategy"):
         engine.answer(question, strategy="self_rag_v9")
+
+
+class _Recorder:
+    """An LLM double that records each call's prompt and budget and answers with the last option letter it saw."""
+
+    name = "recorder"
+
+    def __init__(self):
+        import threading
+
+        self.calls, self._lock = [], threading.Lock()
+
+    def generate(self, messages, *, max_new_tokens=32, temperature=0.0, seed=None):
+        from certrag.llm.local import Generation
+
+        user = messages[-1]["content"]
+        with self._lock:
+            self.calls.append((user, max_new_tokens))
+        return Generation(text=user.rsplit("Question:", 1)[-1].split("\n")[0].strip(), input_tokens=10,
+                          output_tokens=2, seconds=0.0, finish_reason="stop")
+
+
+def test_answer_options_travel_with_each_call(store):
+    """Options are per call: concurrent answers with different question types and budgets each see their own, and
+    the multiple-choice `options` keyword is the choices, not the options object."""
+    import threading
+
+    from certrag.answering import AnswerOptions
+
+    engine, _ = store
+    engine.llm = llm = _Recorder()
+    a = engine.answer("Which colour?", qtype="multiple_choice", options=["red", "blue"], max_new_tokens=7)
+    assert a.text == "Which colour?" and "A. red\nB. blue" in llm.calls[-1][0] and llm.calls[-1][1] == 7
+    engine.answer("Is it?", answer_options=AnswerOptions(qtype="yes_no"))
+    assert "Answer with yes or no only." in llm.calls[-1][0] and llm.calls[-1][1] == 32
+    with pytest.raises(ValueError, match="either"):
+        engine.answer("q", answer_options=AnswerOptions(), qtype="open")
+    with pytest.raises(ValueError, match="qtype must be one of"):
+        engine.answer("q", qtype="essay")
+    llm.calls.clear()
+    results, errors = {}, []
+
+    def ask(i):
+        try:
+            kind = ["open", "yes_no", "multiple_choice"][i % 3]
+            extra = {"options": [f"choice{i}", "other"]} if kind == "multiple_choice" else {}
+            results[i] = (kind, engine.answer(f"question {i}?", qtype=kind, max_new_tokens=10 + i, **extra))
+        except Exception as exc:  # noqa: BLE001 -- reported by the test
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 12
+    for user, budget in llm.calls:
+        i = int(user.rsplit("question ", 1)[1].split("?")[0])
+        kind = results[i][0]
+        assert budget == 10 + i
+        assert ("yes or no" in user) == (kind == "yes_no") and (f"A. choice{i}" in user) == (kind == "multiple_choice")
