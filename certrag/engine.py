@@ -12,6 +12,7 @@ in one assignment when the version is on disk.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ class Engine:
         self._calibration = None
         self.factuality = None  # certrag.certify.factuality.FactualityClassifier used by answer(confidence=True)
         self._view = self._publish()
+        self._write_lock = threading.Lock()  # one write at a time; readers never take it
         self.last_report: BuildReport | None = None
 
     def _publish(self) -> StoreView:
@@ -215,21 +217,40 @@ class Engine:
         data.ids = np.concatenate([data.ids, ids])
         data.vectors = np.concatenate([data.vectors, vectors]) if len(vectors) else data.vectors
         data.next_chunk_id = next_id
-        write_store(self.path, data)
-        self._publish()
+        self._commit()
         report = BuildReport(documents=len(docs), chunks=len(new_chunks), skipped_empty=skipped,
                              seconds=time.perf_counter() - started)
         self.last_report = report
         return report
 
+    def _commit(self) -> None:
+        """Writes the changed store as its next version and publishes its view. When the write fails (a full disk,
+        a kill), the engine goes back to the version on disk, so memory never holds what the store does not."""
+        try:
+            write_store(self.path, self._data)
+        except BaseException:
+            try:
+                self._data = read_store(self.path, mmap=False)
+                self._publish()
+            except (StoreError, OSError):
+                pass  # nothing on disk to go back to: a build that failed leaves no engine to use
+            raise
+        self._publish()
+
     def add(self, documents: object, progress: bool = True) -> BuildReport:
         """Segments, embeds and indexes new documents, then writes a new store version atomically."""
         self._writable()
-        return self._ingest(load_documents(documents), progress)
+        docs = load_documents(documents)
+        with self._write_lock:
+            return self._ingest(docs, progress)
 
     def remove(self, doc_ids: Sequence[str] | str) -> int:
         """Removes documents and their chunks; returns how many chunks went. Unknown ids raise ValueError."""
         self._writable()
+        with self._write_lock:
+            return self._remove(doc_ids)
+
+    def _remove(self, doc_ids: Sequence[str] | str) -> int:
         if isinstance(doc_ids, str):
             doc_ids = [doc_ids]
         doc_ids = list(dict.fromkeys(doc_ids))
@@ -244,8 +265,7 @@ class Engine:
         data.ids, data.vectors = data.ids[keep], data.vectors[keep]
         going = set(doc_ids)
         data.documents = {k: v for k, v in data.documents.items() if k not in going}
-        write_store(self.path, data)
-        self._publish()
+        self._commit()
         return len(gone)
 
     # ------------------------------------------------------------------------------------------------ reading
@@ -310,8 +330,9 @@ class Engine:
 
         self._writable()
         calibration.check_identity(self.embedder_name, self.reranker_identity())
-        calibration.save(self.path / CALIBRATION_FILE)
-        self._calibration = calibration
+        with self._write_lock:
+            calibration.save(self.path / CALIBRATION_FILE)
+            self._calibration = calibration
 
     def calibrate(self, data: object, *, alpha: float = 0.1, holdout: float = 0.3, eval_data: object = None,
                   save: bool = True, progress: bool = True, **judge):

@@ -68,6 +68,7 @@ def test_2_a_search_during_adds_never_loses_the_vectors_already_there():
         r, b, errors = _race_run(seed, n)
         assert errors == []
         rows, bad = rows + r, bad + b
+    print(f"\nfinding 2: {runs} runs, {rows:,} result rows, {bad} lost live vectors")
     assert rows > (2_000_000 if LONG else 20_000)
     assert bad == 0, f"{bad} of {rows} result rows lost live vectors"
 
@@ -197,6 +198,7 @@ def test_3_every_bit_flip_of_the_manifest_or_current_is_refused(small_store):
             except StoreError:
                 pass
         target.write_bytes(original)
+        print(f"\nfinding 3: {name}: {len(tried):,} single-bit flips, {len(opened)} opened")
         assert opened == [], f"{name}: {len(opened)} of {len(tried)} single-bit flips opened"
     read_store(small_store)
 
@@ -247,6 +249,8 @@ def test_4_readers_opening_during_writes_see_a_whole_version(small_store, leads)
         stop.set()
         for t in threads:
             t.join()
+    print(f"\nfinding 4: {opened[0]:,} read-only opens during {40 if LONG else 12} write rounds, "
+          f"{len(failures)} failed")
     assert failures == [] and opened[0] > 20
 
 
@@ -288,6 +292,8 @@ def test_1_retrieve_during_add_and_remove_returns_each_chunk_with_its_own_text(t
         for t in threads:
             t.join()
         engine.close()
+    print(f"\nfinding 1: {calls[0]:,} retrievals during {30 if LONG else 16} removes and their adds, "
+          f"{len(failures)} wrong or failed")
     assert failures == [] and calls[0] > 5
 
 
@@ -327,6 +333,7 @@ def test_the_index_loader_survives_mutated_files_with_valid_checksums(tmp_path):
             continue
         loaded.search(queries, k=5)
         outcomes["loaded"] += 1
+    print(f"\nindex loader fuzz: {outcomes}")
     assert outcomes["refused"] > 0
 
 
@@ -359,4 +366,31 @@ def test_the_store_loader_maps_resealed_damage_to_store_errors(small_store):
         except StoreError:
             refused += 1
         (version / name).write_bytes(originals[name])
+    print(f"\nstore loader fuzz: {600 if LONG else 80} damaged stores, {refused} refused, the rest consistent")
     assert refused > 0
+
+
+def test_a_failed_write_leaves_the_engine_as_the_store_on_disk(tmp_path, leads, monkeypatch):
+    """A write that fails (here the file system refuses it) must not leave the engine answering from documents the
+    store does not hold, nor missing documents it still holds."""
+    import certrag.engine as engine_module
+    from certrag.engine import Engine
+
+    engine = Engine.build(leads[:6], tmp_path / "s", _fast_config(), progress=False)
+    before = sorted(engine.documents)
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine_module, "write_store", refuse)
+        with pytest.raises(OSError, match="No space"):
+            engine.add(leads[6:8], progress=False)
+        with pytest.raises(OSError, match="No space"):
+            engine.remove([leads[0]["id"]])
+    assert sorted(engine.documents) == before and len(engine) == 6
+    r = engine.retrieve(leads[7]["text"][:80], candidates=20)
+    assert set(r.doc_ids) <= set(before) and leads[0]["id"] in r.doc_ids
+    engine.add(leads[6:8], progress=False)  # the same documents go in once the disk takes them
+    assert len(engine) == 8 and leads[7]["id"] in engine.retrieve(leads[7]["text"][:80], candidates=20).doc_ids
+    engine.close()
