@@ -208,6 +208,7 @@ class _VersionGone(Exception):
 
 
 def _read_version(root: Path, *, verify: bool, mmap: bool) -> StoreData:
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     name, manifest_sha = _pointer(root)
@@ -262,7 +263,7 @@ def _read_version(root: Path, *, verify: bool, mmap: bool) -> StoreData:
         if not isinstance(next_chunk_id, int) or isinstance(next_chunk_id, bool):
             raise ValueError(f"next_chunk_id is {next_chunk_id!r}")
         chunk_ids = [c["id"] for c in chunks]
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, SafetensorError) as exc:
         raise StoreError(f"{root}: damaged store ({exc})") from None
     if not (len(chunks) == len(ids) == len(vectors) == len(index)):
         raise StoreError(f"{root}: chunks, embeddings and index disagree on the count")
