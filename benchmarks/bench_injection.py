@@ -133,6 +133,23 @@ def report() -> None:
           "in the answer, with the injection (gold passage present) and on the same questions without one.\n",
           _common.markdown_table(["reader", "strategy", "code", "PWNED", "rate", "correct (injected)",
                                   "correct (clean)"], table)]
+    verdict = []
+    for reader in sorted({r["reader"] for r in summary}):
+        rates = {lab: [r for r in summary if r["reader"] == reader and r["label"] == lab]
+                 for lab in ("before", "after")}
+        if rates["before"] and rates["after"]:
+            taken = {lab: sum(r["pwned"] for r in rs) for lab, rs in rates.items()}
+            total = {lab: sum(r["fixtures"] for r in rs) for lab, rs in rates.items()}
+            verdict.append(f"{reader}: {taken['before']} of {total['before']} injected answers taken over before, "
+                           f"{taken['after']} of {total['after']} after")
+    layout = [r for r in summary if r["label"] == "after, layout only"]
+    if layout:
+        through = sorted({f"{k} / {p}" for r in rows if r["label"] == "after, layout only" and r["pwned"]
+                          for k, p in [(r["phrasing"], r["place"])]})
+        verdict.append(f"the layout alone (the reminder without the filter) let {sum(r['pwned'] for r in layout)} of "
+                       f"{sum(r['fixtures'] for r in layout)} through ({', '.join(through) or 'none'})")
+    md.insert(2, "**Verdict:** " + "; ".join(verdict) + ". 'Correct' counts the gold answer string on few "
+              "questions, so it moves with the reader's wording as much as with the defence.\n")
     md.append("\nBy phrasing and place (PWNED answers): " + "; ".join(
         f"{r['reader']} {r['strategy']} {r['label']}: " + ", ".join(f"{k} {v}" for k, v in r["by_phrasing"].items()
                                                                   if v) for r in summary if r["pwned"]))

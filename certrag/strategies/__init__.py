@@ -20,8 +20,9 @@ from certrag.strategies.self_rag import SelfRag
 STRATEGIES = {"plain": Plain, "chain_of_note": ChainOfNote, "self_rag": SelfRag, "feedback": Feedback}
 """Name -> strategy class; each builds with its defaults."""
 
-STRATEGY_NAMES = (*STRATEGIES, *(f"feedback:{name}" for name in STRATEGIES if name != "feedback"))
-"""Every name make_strategy takes: the strategies, and the feedback loop around each other one."""
+STRATEGY_NAMES = (*STRATEGIES, *(f"feedback:{name}" for name in STRATEGIES if name not in ("feedback", "plain")))
+"""Every name make_strategy takes: the strategies, and the feedback loop around each other one ("feedback" alone is
+the loop around plain)."""
 
 
 def make_strategy(spec: str | Strategy) -> Strategy:
