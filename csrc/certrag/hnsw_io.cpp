@@ -170,7 +170,7 @@ class FileReader {
   explicit FileReader(const std::string& path) : path_(path) {
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) {
-      if (errno == ENOENT) throw std::invalid_argument("no index file at " + path);
+      if (errno == ENOENT) throw IndexIoError("no index file at " + path);  // an OSError, as a missing file is
       throw IndexIoError("could not open " + path + ": " + errno_text());
     }
     struct stat st;
