@@ -194,9 +194,9 @@ def read_store(root: Path, *, verify: bool = True, mmap: bool = False, attempts:
     every file's SHA-256. A version deleted by a writer while this reader opened it is retried from CURRENT (up to
     `attempts` times), so a reader sees one whole version or a StoreError, never a missing file."""
     for attempt in range(attempts):
-        name, _ = _pointer(root)
+        name, manifest_sha = _pointer(root)
         try:
-            return _read_version(root, verify=verify, mmap=mmap)
+            return _read_version(root, name, manifest_sha, verify=verify, mmap=mmap)
         except (FileNotFoundError, NotADirectoryError, IndexIOError, _VersionGone) as exc:
             if _pointer(root)[0] == name or attempt == attempts - 1:
                 raise StoreError(f"{root}: {name} is incomplete ({exc}): the store is damaged") from None
@@ -207,11 +207,11 @@ class _VersionGone(Exception):
     """A file of the version being read vanished (a writer replaced the version meanwhile)."""
 
 
-def _read_version(root: Path, *, verify: bool, mmap: bool) -> StoreData:
+def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bool, mmap: bool) -> StoreData:
+    """Reads version `name`, whose manifest must hash to manifest_sha (format 1 stores: None)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    name, manifest_sha = _pointer(root)
     version = root / name
     if not version.is_dir():
         raise _VersionGone(f"{name} is missing")
