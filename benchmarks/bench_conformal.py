@@ -104,7 +104,7 @@ def main() -> None:
         from certrag.config import EngineConfig
         from certrag.llm import LocalLLM
         from certrag.llm.prompts import Passage
-        from certrag.select import positive_scores
+        from certrag.select import cut
         from certrag.strategies import STRATEGIES
 
         llm = LocalLLM(args.model)
@@ -116,7 +116,7 @@ def main() -> None:
         conditions = {"default selection (gradient)": [], "conformal filter alpha=0.1": []}
         for it, r in zip(splits["test"][: args.questions], results["test"][: args.questions]):
             sc = calibrated_scores(r.rerank_scores, r.dense_scores, "rerank logit")
-            n_sel = {"default selection (gradient)": selector.select(positive_scores(r.rerank_scores, "logit")),
+            n_sel = {"default selection (gradient)": cut(selector, r.rerank_scores, "logit"),
                      "conformal filter alpha=0.1": min(int((sc >= s_thres).sum()), max_k)}
             for name, n in n_sel.items():
                 t = time.perf_counter()

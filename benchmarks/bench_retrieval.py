@@ -44,7 +44,7 @@ def main() -> None:
     from certrag.engine import Engine
     from certrag.data.nq import load_nq_open
     from certrag.rerank import CrossEncoderReranker
-    from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector, positive_scores
+    from certrag.select import AutocutSelector, GradientSelector, TopKSelector, TopPSelector, cut
 
     from _nq import cached_embedder, cached_retrievals, nq_store
 
@@ -79,32 +79,31 @@ def main() -> None:
                 **{f"recall@{k}": recall(ranks, k) for k in (1, 3, 5, 10, 20)}, "mrr@10": mrr(ranks)}
                for name, ranks in (("dense (bi-encoder)", dense_ranks), ("dense + reranker", rerank_ranks))]
 
-    def evaluate(selector, scores_of, results=results, golds=golds):
+    def evaluate(selector, results=results, golds=golds):  # each selector on its own scale (certrag.select.cut)
         hit, toks, kept = [], [], []
         for r, g in zip(results, golds):
-            n = selector.select(scores_of(r))
+            n = cut(selector, r.rerank_scores, "logit")
             hit.append(g in r.doc_ids[:n])
             toks.append(sum(tokens[int(c)] for c in r.chunk_ids[:n]))
             kept.append(n)
         return float(np.mean(hit)), float(np.mean(toks)), float(np.mean(kept))
 
-    rerank_pos = lambda r: positive_scores(r.rerank_scores, "logit")  # noqa: E731
     curve = []
     for k in range(1, 11):
-        rec, tok, kept = evaluate(TopKSelector(k=k), rerank_pos)
+        rec, tok, kept = evaluate(TopKSelector(k=k))
         curve.append({"what": "selection", "method": f"top-{k}", "family": "topk", "k": k, "gold_recall": rec,
                       "context_tokens": tok, "chunks": kept})
     grid = [(g, min_k) for g in (1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0) for min_k in (1, 2)]
     for g, min_k in grid:
-        rec, tok, kept = evaluate(GradientSelector(min_k=min_k, g=g, max_k=10), rerank_pos)
+        rec, tok, kept = evaluate(GradientSelector(min_k=min_k, g=g, max_k=10))
         curve.append({"what": "selection", "method": f"gradient g={g} min_k={min_k}", "family": "gradient",
                       "g": g, "min_k": min_k, "gold_recall": rec, "context_tokens": tok, "chunks": kept})
     for jumps in (1, 2):
-        rec, tok, kept = evaluate(AutocutSelector(jumps=jumps, max_k=10), lambda r: r.rerank_scores)
+        rec, tok, kept = evaluate(AutocutSelector(jumps=jumps, max_k=10))
         curve.append({"what": "selection", "method": f"autocut jumps={jumps}", "family": "autocut",
                       "gold_recall": rec, "context_tokens": tok, "chunks": kept})
     for p_mass in (0.5, 0.8, 0.9):
-        rec, tok, kept = evaluate(TopPSelector(p=p_mass, max_k=10), lambda r: r.rerank_scores)
+        rec, tok, kept = evaluate(TopPSelector(p=p_mass, max_k=10))
         curve.append({"what": "selection", "method": f"top-p p={p_mass}", "family": "topp", "gold_recall": rec,
                       "context_tokens": tok, "chunks": kept})
 
@@ -118,8 +117,8 @@ def main() -> None:
     train_golds = [gold_doc[it.gold_text] for it in train_items]
     train_results = cached_retrievals(engine, reranker, [it.question for it in train_items], args.candidates,
                                       "train_candidates.json")
-    t_top5 = evaluate(TopKSelector(k=5), rerank_pos, train_results, train_golds)
-    t_grid = [(g, mk, *evaluate(GradientSelector(min_k=mk, g=g, max_k=10), rerank_pos, train_results, train_golds))
+    t_top5 = evaluate(TopKSelector(k=5), train_results, train_golds)
+    t_grid = [(g, mk, *evaluate(GradientSelector(min_k=mk, g=g, max_k=10), train_results, train_golds))
               for g, mk in grid]
     t_reach = [t for t in t_grid if t[2] >= t_top5[0] - 1e-9]
     g_t, mk_t, rec_t, tok_t, _ = (min(t_reach, key=lambda t: t[3]) if t_reach else max(t_grid, key=lambda t: t[2]))
@@ -127,7 +126,7 @@ def main() -> None:
     from certrag.config import SelectionConfig
 
     default_sel = SelectionConfig()
-    d_rec, d_tok, d_kept = evaluate(default_sel.make(), rerank_pos)
+    d_rec, d_tok, d_kept = evaluate(default_sel.make())
     tuned = {"what": "selection_tuned_on_train", "g": g_t, "min_k": mk_t, "train_recall": rec_t,
              "train_tokens": tok_t, "train_top5_recall": t_top5[0], "train_top5_tokens": t_top5[1],
              "test_recall": test_of_tuned["gold_recall"], "test_tokens": test_of_tuned["context_tokens"],

@@ -17,7 +17,7 @@ from certrag.config import SelectionConfig
 from certrag.cost import PriceTable
 from certrag.llm.prompts import QUESTION_TYPES, Passage
 from certrag.retrieval import Retrieval
-from certrag.select import positive_scores
+from certrag.select import cut
 from certrag.strategies import UNKNOWN, Selection, Strategy
 
 
@@ -89,13 +89,13 @@ class Answer:
 def _selection(r: Retrieval, config: SelectionConfig, limit: int) -> Selection:
     """How a strategy may move the cut (SAGE's feedback loop): the gradient rule re-run on the same reranked
     candidates with min_k moved, never past `limit` (the certified set when certification applies)."""
-    positive = (positive_scores(r.rerank_scores, "logit") if not np.isnan(r.rerank_scores).all()
-                else positive_scores(r.dense_scores, "cosine"))
+    scores, kind = ((r.rerank_scores, "logit") if not np.isnan(r.rerank_scores).all()
+                    else (r.dense_scores, "cosine"))
     gradient = dataclasses.replace(config, method="gradient")
 
     def passages(min_k: int) -> list[Passage]:
         sel = dataclasses.replace(gradient, min_k=min_k, max_k=max(min_k, gradient.max_k)).make()
-        return passages_of(r, min(sel.select(positive), limit))
+        return passages_of(r, min(cut(sel, scores, kind), limit))
 
     return Selection(passages=passages, min_k=min(config.min_k, limit), max_k=limit or 1)
 

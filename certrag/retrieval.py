@@ -15,7 +15,7 @@ import numpy as np
 
 from certrag.config import EngineConfig
 from certrag.index import HnswIndex
-from certrag.select import Selector, positive_scores
+from certrag.select import Selector, cut
 
 
 @dataclass(frozen=True)
@@ -123,13 +123,13 @@ class Retriever:
             rerank_scores = reranker.score(question, texts, dense,
                                            batch_size=self.config.retrieval.rerank_batch).astype(np.float32)
             order = np.argsort(-rerank_scores, kind="stable")
-            positive = positive_scores(rerank_scores[order], "logit")
+            ranked, kind = rerank_scores[order], "logit"
         else:
             rerank_scores = np.full(len(ids), np.nan, dtype=np.float32)
             order = np.arange(len(ids))
-            positive = positive_scores(dense, "cosine")
+            ranked, kind = dense, "cosine"
         t4 = time.perf_counter()
-        selected = selector.select(positive)
+        selected = cut(selector, ranked, kind)
         t5 = time.perf_counter()
         return Retrieval(
             question=question, chunk_ids=ids[order], doc_ids=tuple(chunks[i]["doc_id"] for i in order),

@@ -1,11 +1,18 @@
 """Context selection: how many of the reranked candidates go to the LLM.
 
 Every selector takes scores sorted best first and returns how many of the leading candidates to keep (at least one
-when there is at least one candidate). Scores must be positive for ratio-based rules to mean anything; the engine
-passes ``positive_scores(...)``: for reranker logits exp(s - s_max), i.e. each candidate's probability relative to
-the best under a softmax, so that SAGE's ratio S[i] > S[i-1] / g becomes "the logit dropped by less than ln g" and a
-constant offset in the logits changes nothing (a plain sigmoid saturates at 1 for large logits and hides every
-drop); for dense cosine scores without a reranker, (1 + cos) / 2.
+when there is at least one candidate). Each is defined on its own scale, named by its `scale` attribute, and
+``cut(selector, raw_scores, kind)`` -- what the engine, the feedback loop and the benchmarks call -- hands it that
+scale:
+
+- "positive" (SAGE's gradient rule, whose ratio S[i] > S[i-1] / g needs positive scores): ``positive_scores(...)``,
+  for reranker logits exp(s - s_max), each candidate's probability relative to the best under a softmax, so that
+  the ratio becomes "the logit dropped by less than ln g" and a constant offset in the logits changes nothing (a
+  plain sigmoid saturates at 1 for large logits and hides every drop); for dense cosine scores, (1 + cos) / 2.
+- "raw" (top-k, autocut, top-p): the scores as the ranker gave them. Top-p takes a softmax of its input, so it must
+  see logits (a softmax of exp(s - max), values in (0, 1], is nearly flat: logits [8, 5, 2, 1, 0, -1] keep 1
+  candidate at p = 0.9, their exp(s - max) 6); autocut compares the normalised curve with a straight line, which a
+  non-linear map bends.
 """
 
 from __future__ import annotations
@@ -28,6 +35,19 @@ def positive_scores(scores: np.ndarray, kind: str) -> np.ndarray:
     raise ValueError(f"kind must be 'logit' or 'cosine'; got {kind!r}")
 
 
+def cut(selector: "Selector", scores: np.ndarray, kind: str) -> int:
+    """How many of the leading candidates `selector` keeps, given the raw scores sorted best first (kind: "logit"
+    for reranker logits, "cosine" for dense similarities), mapped onto the scale the selector is defined on."""
+    scale = getattr(selector, "scale", "raw")
+    if scale == "positive":
+        return selector.select(positive_scores(scores, kind))
+    if scale != "raw":
+        raise ValueError(f"selector {getattr(selector, 'name', selector)!r} has unknown scale {scale!r}")
+    if kind not in ("logit", "cosine"):
+        raise ValueError(f"kind must be 'logit' or 'cosine'; got {kind!r}")
+    return selector.select(np.asarray(scores, dtype=np.float64))
+
+
 def _check_sorted(scores: np.ndarray) -> np.ndarray:
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
     if s.size and not np.all(np.isfinite(s)):
@@ -39,6 +59,7 @@ def _check_sorted(scores: np.ndarray) -> np.ndarray:
 
 class Selector(Protocol):
     name: str
+    scale: str  # "positive" or "raw": the scores select() is defined on (see cut)
 
     def select(self, scores: np.ndarray) -> int: ...
 
@@ -56,6 +77,7 @@ class GradientSelector:
     g: float = 1.5
     max_k: int = 10
     name: str = "gradient"
+    scale: str = "positive"
 
     def __post_init__(self) -> None:
         if self.min_k < 1:
@@ -83,6 +105,7 @@ class TopKSelector:
 
     k: int = 5
     name: str = "topk"
+    scale: str = "raw"
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -101,6 +124,7 @@ class AutocutSelector:
     jumps: int = 1
     max_k: int = 10
     name: str = "autocut"
+    scale: str = "raw"
 
     def __post_init__(self) -> None:
         if self.jumps < 1:
@@ -136,6 +160,7 @@ class TopPSelector:
     temperature: float = 1.0
     max_k: int = 10
     name: str = "topp"
+    scale: str = "raw"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.p <= 1.0:

@@ -308,3 +308,35 @@ def test_answer_options_travel_with_each_call(store):
         kind = results[i][0]
         assert budget == 10 + i
         assert ("yes or no" in user) == (kind == "yes_no") and (f"A. choice{i}" in user) == (kind == "multiple_choice")
+
+
+def test_each_selector_gets_its_own_scale_through_the_engine(tmp_path, leads):
+    """The engine hands the gradient rule exp(logit - max) and every other selector the raw reranker logits; the
+    oracles below are computed by hand from the logits the retrieval reports."""
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=10, rerank=True))
+    engine = Engine.build(leads[:30], tmp_path / "store", config, progress=False)
+    questions = [d["metadata"]["description"] or d["id"][5:] for d in leads[:12]]
+
+    def top_p(logits, p):  # shortest prefix whose softmax mass reaches p
+        w = np.exp(logits - logits[0])
+        return int(np.argmax(np.cumsum(w) / w.sum() >= p - 1e-12) + 1)
+
+    def gradient(logits, g, min_k, max_k):  # keep while the logit drops by less than ln g
+        keep = min_k
+        while keep < min(max_k, len(logits)) and logits[keep - 1] - logits[keep] < np.log(g):
+            keep += 1
+        return keep
+
+    seen = set()
+    with engine:
+        for sel, oracle in ((SelectionConfig(method="topp", p=0.9), lambda s: top_p(s, 0.9)),
+                            (SelectionConfig(method="topp", p=0.5), lambda s: top_p(s, 0.5)),
+                            (SelectionConfig(method="gradient", g=3.0), lambda s: gradient(s, 3.0, 1, 10)),
+                            (SelectionConfig(method="topk", k=4), lambda s: 4)):
+            for r in engine.retrieve_batch(questions, selector=sel.make()):
+                s = r.rerank_scores.astype(np.float64)
+                assert np.all(np.diff(s) <= 0)
+                assert r.selected == oracle(s), (sel.method, s.round(2).tolist(), r.selected)
+                seen.add((sel.method, r.selected))
+    # the top-p cut is not the near-flat one the exp(s - max) scale gives (it kept all ten candidates)
+    assert any(m == "topp" and n < 10 for m, n in seen)

@@ -77,3 +77,29 @@ def test_bad_parameters_and_unsorted_scores():
         TopKSelector().select([np.nan])
     with pytest.raises(ValueError, match="p must be"):
         TopPSelector(p=0)
+
+
+def test_cut_hands_each_selector_its_scale():
+    """The issue's example: logits [8, 5, 2, 1, 0, -1, ...]. Top-p 0.9 on the logits keeps 1 (softmax mass of the
+    first: e^8 / sum = 0.949); on exp(s - max) (values in (0, 1], a nearly flat softmax: e^1 + e^0.05 + 8 x ~e^0 =
+    11.77, and the first nine hold 10.77 / 11.77 = 0.915) it would keep 9."""
+    from certrag.select import cut
+
+    logits = np.array([8.0, 5.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0])
+    assert cut(TopPSelector(p=0.9), logits, "logit") == 1
+    assert TopPSelector(p=0.9).select(positive_scores(logits, "logit")) == 9  # the wrong scale
+    assert cut(TopPSelector(p=0.96), logits, "logit") == 2  # (e^8 + e^5) / sum = 0.9966
+    # gradient: exp(s - max) ratios; 8 -> 5 drops by 3 > ln 1.5, so 1; with g = 25 (ln 25 = 3.2) it keeps the
+    # drops of 3, 3 and then stops at none (every further drop is 1 < 3.2): max_k
+    assert cut(GradientSelector(g=1.5), logits, "logit") == 1
+    assert cut(GradientSelector(g=25.0, max_k=10), logits, "logit") == 10
+    assert cut(GradientSelector(g=15.0, max_k=10), logits, "logit") == 1  # ln 15 = 2.7 < 3
+    # autocut on the raw curve: normalised [1, .77, .54, .46, .38, .31, .23, .15, .08, 0] against the line; the gap
+    # peaks at index 3 (the last point before the drops flatten out)... computed below from the definition
+    norm = (logits - logits[-1]) / (logits[0] - logits[-1])
+    gap = norm - (1 - np.arange(10) / 9)
+    first_peak = next(i for i in range(1, 9) if gap[i] > gap[i - 1] and gap[i] >= gap[i + 1])
+    assert cut(AutocutSelector(), logits, "logit") == first_peak + 1
+    assert cut(TopKSelector(k=3), logits, "logit") == 3
+    with pytest.raises(ValueError, match="kind"):
+        cut(TopKSelector(k=3), logits, "dot")
