@@ -94,12 +94,11 @@ def test_cut_hands_each_selector_its_scale():
     assert cut(GradientSelector(g=1.5), logits, "logit") == 1
     assert cut(GradientSelector(g=25.0, max_k=10), logits, "logit") == 10
     assert cut(GradientSelector(g=15.0, max_k=10), logits, "logit") == 1  # ln 15 = 2.7 < 3
-    # autocut on the raw curve: normalised [1, .77, .54, .46, .38, .31, .23, .15, .08, 0] against the line; the gap
-    # peaks at index 3 (the last point before the drops flatten out)... computed below from the definition
-    norm = (logits - logits[-1]) / (logits[0] - logits[-1])
-    gap = norm - (1 - np.arange(10) / 9)
-    first_peak = next(i for i in range(1, 9) if gap[i] > gap[i - 1] and gap[i] >= gap[i + 1])
-    assert cut(AutocutSelector(), logits, "logit") == first_peak + 1
+    # autocut on the raw curve: normalised [1, .77, .54, .46, .38, .31, .23, .15, .08, 0] against the line
+    # [1, .89, .78, .67, .56, .44, .33, .22, .11, 0]: the gap falls to index 2 and then only rises, so no point
+    # before a jump -- the convex curve keeps every candidate; a curve with a cliff after two is cut there
+    assert cut(AutocutSelector(), logits, "logit") == 10
+    assert cut(AutocutSelector(), np.array([9.0, 8.8, 2.0, 1.9, 1.8, 1.7]), "logit") == 2
     assert cut(TopKSelector(k=3), logits, "logit") == 3
     with pytest.raises(ValueError, match="kind"):
         cut(TopKSelector(k=3), logits, "dot")
