@@ -80,7 +80,8 @@ class Answer:
                 "certification": self.certification.to_dict() if self.certification is not None else None,
                 "confidence": self.confidence,
                 "cited_chunk_ids": list(self.cited_chunk_ids),
-                "notes": [{"passage": n.passage, "kind": n.kind, "text": n.text} for n in self.notes],
+                "notes": [{"passage": n.passage, "kind": n.kind, "claimed": n.claimed or n.kind, "text": n.text}
+                          for n in self.notes],
                 "rejected": self.rejected, "malformed": self.malformed, "rounds": self.rounds,
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens, "cost": self.cost,
                 "model": self.model, "trace": self.trace}

@@ -19,9 +19,9 @@ def test_scores_hand_computed():
     assert s_isrel(probs) == pytest.approx(0.75)
     assert s_issup(probs) == pytest.approx((0.2 + 0.2) / 0.8)
     assert s_isuse(probs) == pytest.approx((-0.1 + 0 + 0 + 0.15 + 0.4) / 1.0)
-    # p(segment) 0.6; weights 1, 1, 0.5.
-    assert segment_score(0.6, probs) == pytest.approx(0.6 + 0.75 + 0.5 + 0.5 * 0.45)
-    assert segment_score(0.6, probs, Weights(rel=2, sup=0, use=-1)) == pytest.approx(0.6 + 1.5 - 0.45)
+    # p(segment) 0.6; weights 1, 1, 0.5; divided by 1 + the weights present (here all: 3.5)
+    assert segment_score(0.6, probs) == pytest.approx((0.6 + 0.75 + 0.5 + 0.5 * 0.45) / 3.5)
+    assert segment_score(0.6, probs, Weights(rel=2, sup=0, use=-1)) == pytest.approx((0.6 + 1.5 - 0.45) / 4.0)
 
 
 def test_missing_groups_and_zero_probabilities():
@@ -30,8 +30,8 @@ def test_missing_groups_and_zero_probabilities():
     assert s_isrel({"isrel": {"relevant": 0.0, "irrelevant": 0.5}}) == 0.0
     assert s_issup({"issup": {"partially": 0.3}}) == pytest.approx(0.5)  # absent labels count as probability 0
     assert s_isuse({"isuse": {"5": 1e-30}}) == pytest.approx(1.0)
-    # A missing group adds nothing to a segment's score.
-    assert segment_score(0.25, {"isrel": {"relevant": 1.0, "irrelevant": 0.0}}) == pytest.approx(1.25)
+    # A missing group adds neither its term nor its weight.
+    assert segment_score(0.25, {"isrel": {"relevant": 1.0, "irrelevant": 0.0}}) == pytest.approx(1.25 / 2)
     assert segment_score(0.25, {}) == 0.25
     with pytest.raises(ValueError, match="non-negative"):
         s_isrel({"isrel": {"relevant": -0.1, "irrelevant": 0.5}})
@@ -90,6 +90,49 @@ def test_finished_paths_wait_and_depth_limits():
     assert all(len(p.segments) <= 3 for p in pool)
     with pytest.raises(ValueError):
         beam_search(expand, beam_width=0)
+
+
+def test_a_mixed_beam_by_hand():
+    """A segment written without retrieval (IsUse only) against one with all three groups, in one beam. By hand:
+    no retrieval: p 0.8, IsUse all on 5 (s = 1): (0.8 + 0.5 * 1) / 1.5 = 0.8667.
+    retrieved: p 0.7, IsRel 0.9, IsSup fully 0.6 partially 0.4 (s = 0.8), IsUse all on 4 (s = 0.5):
+    (0.7 + 0.9 + 0.8 + 0.25) / 3.5 = 0.7571.
+    Unnormalised (the old rule) the retrieved one wins 2.65 to 1.3, for having more terms, not for being better."""
+    bare = {"isuse": {"5": 1.0}}
+    full = {"isrel": {"relevant": 0.9, "irrelevant": 0.1}, "issup": {"fully": 0.6, "partially": 0.4, "no": 0.0},
+            "isuse": {"4": 1.0}}
+    a, b = segment_score(0.8, bare), segment_score(0.7, full)
+    assert a == pytest.approx(1.3 / 1.5) and b == pytest.approx(2.65 / 3.5)
+    segs = [Segment("no retrieval", -1, a, final=True), Segment("retrieved", 0, b, final=True)]
+    assert [p.text for p in beam_search(lambda p: segs, beam_width=2, max_depth=1)] == ["no retrieval", "retrieved"]
+
+
+def test_p_segment_covers_only_the_kept_tokens(smollm):
+    """The kept segment is the first sentence; its probability is the geometric mean over the tokens that write it,
+    read from the generation's per-token log-probabilities (checked here against the tokens decoded by hand)."""
+    from certrag.llm.local import Generation
+    from certrag.strategies.self_rag import _segment_text, kept_probability
+
+    g = smollm.generate([{"role": "user", "content": "Write two short sentences about Paris."}], max_new_tokens=32)
+    assert len(g.token_logprobs) == len(g.token_ids) == g.output_tokens
+    assert g.mean_logprob == pytest.approx(sum(g.token_logprobs) / len(g.token_logprobs))
+    kept = _segment_text(g.text)
+    n = next(i for i in range(1, len(g.token_ids) + 1)
+             if len(smollm.tokenizer.decode(list(g.token_ids[:i]), skip_special_tokens=True).strip()) >= len(kept))
+    assert kept_probability(g, kept, smollm) == pytest.approx(math.exp(sum(g.token_logprobs[:n]) / n))
+    # by hand, on a generation with known log-probabilities: tokens 'A', ' cat', '.', ' More' ...
+    tok = smollm.tokenizer
+    ids = tok("A cat. More text here.", add_special_tokens=False)["input_ids"]
+    fake = Generation(text="A cat. More text here.", input_tokens=1, output_tokens=len(ids), seconds=0.0,
+                      finish_reason="stop", token_ids=tuple(ids),
+                      token_logprobs=tuple([-0.1, -0.2, -0.3] + [-5.0] * (len(ids) - 3)))
+    n_kept = len(tok("A cat.", add_special_tokens=False)["input_ids"])
+    assert n_kept == 3  # 'A', ' cat', '.'
+    assert kept_probability(fake, "A cat.", smollm) == pytest.approx(math.exp(-0.2))
+    # a backend without per-token log-probabilities: the whole generation's mean
+    remote = Generation(text="A cat.", input_tokens=1, output_tokens=2, seconds=0.0, finish_reason="stop",
+                        mean_logprob=-1.0)
+    assert kept_probability(remote, "A cat.", object()) == pytest.approx(math.exp(-1.0))
 
 
 def test_negative_terms_never_invert_a_ranking():

@@ -88,10 +88,19 @@ def test_chain_of_note_per_passage_keeps_relevant_passages_with_their_notes():
     assert "Reading note 1: ANSWERS: Paris." in answer_prompt
 
 
-def test_chain_of_note_per_passage_all_irrelevant_is_unknown_without_an_answer_call():
-    llm = Scripted(["IRRELEVANT: no.", "Irrelevant: no."])
-    r = ChainOfNote().run("Who won?", PASSAGES, llm)
-    assert r.rejected and r.text == "unknown" and len(r.calls) == 2 and r.answer_call is None and r.cited == ()
+def test_chain_of_note_all_irrelevant_falls_back_on_what_the_model_knows():
+    # Every note irrelevant: one more call, without passages, that may answer from the model's knowledge ...
+    llm = Scripted(["IRRELEVANT: no.", "Irrelevant: no.", "Paris"])
+    r = ChainOfNote().run("Capital of France?", PASSAGES, llm)
+    assert r.text == "Paris" and not r.rejected and len(r.calls) == 3 and r.answer_call is None and r.cited == ()
+    closed = llm.prompts[2][1]["content"]
+    assert "<passage" not in closed and "Paris is the capital" not in closed and "unknown" in closed
+    # ... or say it does not know: an honest refusal
+    r = ChainOfNote().run("Who won?", PASSAGES, Scripted(["IRRELEVANT: no.", "Irrelevant: no.", "Unknown."]))
+    assert r.rejected and r.text == "unknown" and len(r.calls) == 3
+    # fallback=False: 'unknown' with no further call
+    r = ChainOfNote(fallback=False).run("Who won?", PASSAGES, Scripted(["IRRELEVANT: no.", "Irrelevant: no."]))
+    assert r.rejected and r.text == "unknown" and len(r.calls) == 2 and r.answer_call is None
     # A note without a kind is reported and its passage kept; 'unknown' from the answer call is a rejection too.
     llm = Scripted(["IRRELEVANT: no.", "It mentions Lyon.", "Unknown."])
     r = ChainOfNote().run("Who won?", PASSAGES, llm)
@@ -100,11 +109,65 @@ def test_chain_of_note_per_passage_all_irrelevant_is_unknown_without_an_answer_c
         ChainOfNote(mode="both").run("q", PASSAGES, Scripted([]))
 
 
+def test_a_note_is_held_to_its_passage():
+    """What let an unrelated answer through on a corpus that cannot answer: the 0.5B reader noted Python
+    documentation pages ANSWERS ('The last time the Philadelphia won the Super Bowl was in 2004')."""
+    from certrag.strategies.chain_of_note import check_note
+
+    q = "when is the last time the philadelphia won the superbowl"
+    doc = "The for statement in Python iterates over the items of any sequence, in the order that they appear."
+    note = "The last time the Philadelphia won the Super Bowl was in 2004."
+    assert check_note("answers", note, doc, q) == "irrelevant"  # 2004 is not in the page, nor any question word
+    eagles = "The Philadelphia Eagles won Super Bowl LII in 2018, their first Super Bowl title."
+    assert check_note("answers", "The Eagles won it in 2018.", eagles, q) == "answers"  # eagles, 2018: both there
+    assert check_note("answers", note, eagles, q) == "context"  # 2004 is not there, but the passage is on topic
+    assert check_note("context", "About the Eagles' history.", eagles, q) == "context"
+    assert check_note("context", "About loops.", doc, q) == "irrelevant"
+    assert check_note("irrelevant", "x", eagles, q) == "irrelevant" and check_note("malformed", "x", doc, q) == "malformed"
+    # through the strategy: the demoted note leaves nothing to answer from, so the model is asked without passages
+    llm = Scripted(["ANSWERS: The last time the Philadelphia won the Super Bowl was in 2004.", "unknown"])
+    r = ChainOfNote().run(q, [Passage(doc)], llm)
+    assert r.notes[0].kind == "irrelevant" and r.notes[0].claimed == "answers" and r.rejected and len(r.calls) == 2
+    r = ChainOfNote(check_notes=False).run(q, [Passage(doc)], Scripted([llm.replies[0] if llm.replies else
+                                                                        "ANSWERS: in 2004.", "2004"]))
+    assert r.text == "2004" and r.notes[0].kind == "answers"
+
+
+@pytest.mark.parametrize("answer, refusal", [
+    ("unknown", True), ("Unknown.", True), ("UNKNOWN - the passages do not say", True), ("I don't know", True),
+    ("The answer is unknown.", True), ("cannot be determined", True), ("Not stated in the passages.", True),
+    ("Unknown Soldier", False), ("unknown pleasures", False), ("", False), ("Paris", False),
+    ("no answer", True), ("Notknown", False), ('"unknown"', True)])
+def test_is_unknown_matches_the_refusal_not_the_word(answer, refusal):
+    from certrag.strategies import is_unknown
+
+    assert is_unknown(answer) is refusal
+
+
+def test_every_strategy_offers_the_same_unknown_and_plain_counts_it():
+    from certrag.llm.prompts import UNKNOWN_OPTION, noted_answer_messages
+
+    llm = Scripted(["Unknown."])
+    r = Plain().run("Who won?", PASSAGES, llm)
+    assert r.rejected and r.text == "unknown" and UNKNOWN_OPTION in llm.prompts[0][1]["content"]
+    assert UNKNOWN_OPTION in noted_answer_messages("q", PASSAGES, ["ANSWERS: x", "CONTEXT: y"])[1]["content"]
+    r = Plain().run("Which unit?", PASSAGES, Scripted(["Unknown Soldier"]))
+    assert not r.rejected and r.text == "Unknown Soldier"
+    r = Plain().run("q", PASSAGES, Scripted([""]))
+    assert r.malformed and not r.rejected
+
+
 def test_feedback_parsing():
     assert parse_feedback("Score: 7\nContext: -1") == (7.0, -1)
     assert parse_feedback("score 10, context +1") == (10.0, 1)
-    assert parse_feedback("Score: 42") == (10.0, 0)
-    assert parse_feedback("no idea") == (None, 0)
+    assert parse_feedback("**Score:** 3\n**Context:** 0") == (3.0, 0)
+    assert parse_feedback("Score: 42") == (10.0, None)
+    assert parse_feedback("no idea") == (None, None)
+    # what the 0.5B reader wrote in bench_qa's first run: a bare digit, or the template copied out
+    assert parse_feedback("1") == (1.0, None)
+    assert parse_feedback("7\n+1") == (7.0, None)
+    assert parse_feedback("Score: 10, where 10 means correct and fully supported by") == (10.0, None)
+    assert parse_feedback("The answer is from 1990.") == (None, None)  # a number inside prose is not a score
 
 
 def test_feedback_loop_widens_then_stops_at_threshold_and_counts_every_round():
@@ -129,9 +192,11 @@ def test_feedback_loop_stops_after_three_rounds_and_respects_bounds():
         asked.append(k)
         return PASSAGES
 
-    replies = ["a", "Score: 2\nContext: -1"] * 3
+    replies = ["a", "Score: 2\nContext: -1"] * 2 + ["c"]
     r = Feedback(max_rounds=3).run("q", [], Scripted(replies), selection=Selection(retrieve, min_k=3, max_k=10))
-    assert asked == [3, 2, 1] and r.rounds == 3 and len(r.calls) == 6
+    # the last round's answer is not judged: its verdict could change nothing, and a judge call is billed
+    assert asked == [3, 2, 1] and r.rounds == 3 and len(r.calls) == 5 and r.text == "c"
+    assert [h["judged"] for h in r.history] == [True, True, False] and r.history[-1]["score"] is None
     # At min_k 1 a -1 flag cannot shrink further: the loop ends instead of repeating itself.
     asked.clear()
     r = Feedback(max_rounds=3).run("q", [], Scripted(["a", "Score: 2\nContext: -1"]),
@@ -161,7 +226,7 @@ def test_the_registry_builds_every_name_and_composes_objects():
     assert Feedback(ChainOfNote(mode="single")).name == "feedback:chain_of_note"
     custom = SelfRag(delta=0.5)
     assert make_strategy(custom) is custom
-    assert fb.with_max_new_tokens(9).base.max_new_tokens == 9 and fb.with_max_new_tokens(9).max_new_tokens == 16
+    assert fb.with_max_new_tokens(9).base.max_new_tokens == 9 and fb.with_max_new_tokens(9).max_new_tokens == 24
     assert custom.with_max_new_tokens(7).segment_tokens == 7
     with pytest.raises(ValueError, match="strategy must be one of"):
         make_strategy("feedback:feedback")

@@ -31,6 +31,12 @@ class Generation:
     lookback: object = None  # certrag.certify.lookback.LookbackFeatures when the call recorded lookback ratios
     mean_logprob: float = float("nan")  # mean log-probability of the generated tokens (under the sampling
     # distribution's logits after processing: the model's own for greedy decoding)
+    token_ids: tuple[int, ...] = ()  # the generated tokens (a local model's; empty from a remote server)
+    token_logprobs: tuple[float, ...] = ()  # each generated token's log-probability, as mean_logprob's
+
+
+def _mean(values) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")
 
 
 class LocalLLM:
@@ -136,12 +142,13 @@ class LocalLLM:
             out = self._decode(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), max_new_tokens,
                                temperature, seed, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
         new = out.sequences[0, len(ids):].tolist()
-        logprob = self._mean_logprob(out.scores, 0, new)
+        logprobs = self._token_logprobs(out.scores, 0, new)
         finish = "stop" if new and new[-1] in self._eos_ids() else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(text=text.strip(), input_tokens=len(ids), output_tokens=len(new),
                           seconds=time.perf_counter() - started, finish_reason=finish,
-                          lookback=rec.finish() if rec is not None else None, mean_logprob=logprob)
+                          lookback=rec.finish() if rec is not None else None, mean_logprob=_mean(logprobs),
+                          token_ids=tuple(new), token_logprobs=logprobs)
 
     def generate_batch(self, messages_list: list[list[dict]], *, max_new_tokens: int = 128,
                        temperature: float = 0.0, seed: int | None = None, batch_size: int = 8,
@@ -179,11 +186,11 @@ class LocalLLM:
                 new = out.sequences[row, width:].tolist()
                 stop = next((i for i, t in enumerate(new) if t in eos), None)
                 new = new if stop is None else new[:stop + 1]  # what follows the end of sequence is padding
-                logprob = self._mean_logprob(out.scores, row, new)
+                logprobs = self._token_logprobs(out.scores, row, new)
                 results.append(Generation(
                     text=self.tokenizer.decode(new, skip_special_tokens=True).strip(), input_tokens=len(prompt),
                     output_tokens=len(new), seconds=seconds, finish_reason="stop" if stop is not None else "length",
-                    mean_logprob=logprob))
+                    mean_logprob=_mean(logprobs), token_ids=tuple(new), token_logprobs=logprobs))
         return results
 
     def _decode(self, ids, mask, max_new_tokens: int, temperature: float, seed: int | None, pad: int):
@@ -208,12 +215,19 @@ class LocalLLM:
         eos = self.model.generation_config.eos_token_id
         return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
 
-    def _mean_logprob(self, scores, row: int, new: list[int]) -> float:
-        """Mean log-probability of the generated tokens of one row under generate()'s processed scores."""
+    def _token_logprobs(self, scores, row: int, new: list[int]) -> tuple[float, ...]:
+        """Log-probability of each generated token of one row under generate()'s processed scores."""
         torch = self._torch
-        if not new:
-            return float("nan")
-        return float(torch.stack([torch.log_softmax(s[row].float(), -1)[t] for s, t in zip(scores, new)]).mean())
+        return tuple(float(torch.log_softmax(s[row].float(), -1)[t]) for s, t in zip(scores, new))
+
+    def prefix_tokens(self, token_ids, text: str) -> int:
+        """How many of the leading generated tokens it takes to write `text` (a prefix of their decoded text, white
+        space aside): the tokens a kept piece of a generation was written with."""
+        want = len(text.strip())
+        for n in range(len(token_ids) + 1):
+            if len(self.tokenizer.decode(list(token_ids[:n]), skip_special_tokens=True).strip()) >= want:
+                return n
+        return len(token_ids)
 
     def _recording(self, prompt_len: int, spans):
         import contextlib

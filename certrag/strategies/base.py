@@ -30,6 +30,7 @@ class Note:
     passage: int  # 1-based, as in the prompt; -1 when the note names no passage
     kind: str  # answers | context | irrelevant | malformed
     text: str
+    claimed: str = ""  # the kind the model wrote, before Chain-of-Note checked it against the passage (check_note)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,16 @@ def first_line(text: str) -> str:
     return ""
 
 
+_REFUSAL = re.compile(
+    r"^(?:the\s+answer\s+is\s+)?(?:unknown|not\s+known|i\s+(?:do\s+not|don'?t|cannot|can'?t)\s+(?:know|tell|say)|"
+    r"no\s+answer|(?:it\s+)?cannot\s+be\s+(?:determined|answered)|not\s+(?:stated|mentioned|given|provided)"
+    r"(?:\s+in\s+the\s+passages?)?)(?:\s*$|\s*[.!,;:(\[\-\u2013\u2014])", re.I)
+
+
 def is_unknown(answer: str) -> bool:
-    a = answer.strip().lower().strip(".!")
-    return a in ("unknown", "i don't know", "i do not know", "no answer", "") or a.startswith("unknown")
+    """Whether an answer is a refusal: it *is* "unknown" (or "I don't know", "no answer", "cannot be determined",
+    "not stated in the passages", optionally after "the answer is"), alone or followed by punctuation and an
+    explanation. An answer that merely starts with the word ("Unknown Soldier") is an answer, and an empty one is
+    malformed, not a refusal."""
+    a = answer.strip().strip("\"'*`").strip()
+    return bool(a) and _REFUSAL.match(a) is not None

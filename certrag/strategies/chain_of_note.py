@@ -8,7 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from certrag.llm.prompts import Passage, chain_of_note_messages, note_messages, noted_answer_messages
+from certrag.llm.prompts import (Passage, chain_of_note_messages, closed_book_messages, note_messages,
+                                 noted_answer_messages)
 from certrag.strategies.base import (LLM, UNKNOWN, Note, Selection, StrategyResult, first_line, generate,
                                      generate_all, is_unknown)
 
@@ -56,6 +57,42 @@ _NOTE_KIND = re.compile(r"^[\s*#>-]*(?:reading\s+)?(?:note\s*\d*\s*)?[\[(]?\s*(a
                         r"[\s*\])]*[:-]?[\s*]*(.*)$", re.I)
 
 
+_STOP = frozenset("""a an the of in on at to for from by with and or but is are was were be been being it its this that these
+those which who whom whose what when where why how as than then there their they them he she his her we you i not no
+yes do does did has have had will would can could should may might also about into over under after before during
+passage note answer answers states stated question context irrelevant says said first last""".split())
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def _content(text: str) -> set[str]:
+    from certrag.eval.metrics import normalize_answer
+
+    return {w for w in _WORD.findall(normalize_answer(text)) if w not in _STOP and (len(w) > 2 or w.isdigit())}
+
+
+def check_note(kind: str, note: str, passage: str, question: str) -> str:
+    """The kind a note may keep, checked against the passage it is about (a small reader writes ANSWERS for
+    passages that do not hold the answer at all -- on Python documentation, 'the Eagles won in 2004' -- and the
+    answer step then repeats it):
+
+    - ANSWERS stands when the words the note adds to the question (its answer) occur in the passage: every number
+      (years and counts are what a small reader invents) and at least half of the other words. Otherwise the note
+      is demoted: to CONTEXT if the passage shares words with the question, else to IRRELEVANT.
+    - CONTEXT stands when the passage shares at least a quarter of the question's content words (at least one);
+      otherwise it is IRRELEVANT.
+    Words are DPR-normalised, without stop words; a malformed or irrelevant note is returned as it is."""
+    if kind not in ("answers", "context"):
+        return kind
+    q, p = _content(question), _content(passage)
+    shares = bool(q) and len(q & p) >= max(1, -(-len(q) // 4))
+    if kind == "answers":
+        added = _content(note) - q
+        numbers, words = {w for w in added if w.isdigit()}, {w for w in added if not w.isdigit()}
+        if added and numbers <= p and 2 * len(words & p) >= len(words):
+            return "answers"
+    return "context" if shares else "irrelevant"
+
+
 def parse_note(output: str) -> tuple[str, str, bool]:
     """(kind, note, malformed) from a one-passage reading note: its first non-empty line must start with ANSWERS,
     CONTEXT or IRRELEVANT. Never raises; a note without a kind is 'malformed'."""
@@ -75,8 +112,12 @@ class ChainOfNote:
     answer or 'unknown'. An 'unknown' answer counts as a rejection.
 
     mode "per_passage" (default): one note per passage, each its own short call (batched on a local model), then
-    the answer from the passages not noted irrelevant, each with its note; when every passage is irrelevant the
-    answer is 'unknown' with no further call. A note without a kind is reported (malformed) and its passage kept.
+    the answer from the passages not noted irrelevant, each with its note. When every passage is noted irrelevant
+    (or there are none) the model is asked once more without them (fallback=True): it answers from what it knows
+    or says 'unknown' -- the paper's behaviour, whose answers at noise 1.0 approach the no-retrieval model's.
+    A note without a kind is reported (malformed) and its passage kept. check_notes=True holds each ANSWERS or
+    CONTEXT note to its passage (check_note): a note whose answer the passage does not contain is demoted (the
+    model's own label stays in Note.claimed).
     mode "single": the paper's layout, every note and the answer in one generation -- for models that follow a
     multi-part format (the bundled 0.5B reader does not: it skips the notes; bench_qa.py).
     max_new_tokens: per note (per passage in "single" mode, plus the answer line)."""
@@ -84,6 +125,8 @@ class ChainOfNote:
     max_new_tokens: int = 40
     mode: str = "per_passage"
     answer_tokens: int = 32
+    fallback: bool = True
+    check_notes: bool = True
     name: str = "chain_of_note"
 
     def run(self, question: str, passages: Sequence[Passage], llm: LLM, qtype: str = "open",
@@ -103,14 +146,23 @@ class ChainOfNote:
         gens = generate_all(llm, [note_messages(question, p) for p in passages], self.max_new_tokens)
         notes, keep, malformed = [], [], False
         for i, g in enumerate(gens, 1):
-            kind, text, bad = parse_note(g.text)
-            notes.append(Note(passage=i, kind=kind, text=text))
+            claimed, text, bad = parse_note(g.text)
+            kind = check_note(claimed, text, passages[i - 1].text, question) if self.check_notes else claimed
+            notes.append(Note(passage=i, kind=kind, text=text, claimed=claimed))
             malformed |= bad
             if kind != "irrelevant":
                 keep.append(i - 1)
-        if passages and not keep:  # every passage noted irrelevant: an honest 'unknown', no answer call
-            return StrategyResult(text=UNKNOWN, calls=tuple(gens), notes=tuple(notes), rejected=True,
-                                  malformed=malformed, passages_used=len(passages), cited=(), answer_call=None)
+        if not keep:  # nothing the notes can use: what the model knows without them, or 'unknown'
+            if not self.fallback:
+                return StrategyResult(text=UNKNOWN, calls=tuple(gens), notes=tuple(notes), rejected=True,
+                                      malformed=malformed, passages_used=len(passages), cited=(), answer_call=None)
+            # no passages in the prompt, so no lookback ratios to record (answer_call None: no confidence)
+            alone = generate(llm, closed_book_messages(question, qtype, options), max_new_tokens=self.answer_tokens)
+            answer = first_line(alone.text)
+            rejected = is_unknown(answer)
+            return StrategyResult(text=UNKNOWN if rejected else answer, calls=(*gens, alone), notes=tuple(notes),
+                                  rejected=rejected, malformed=malformed or not answer, passages_used=len(passages),
+                                  cited=(), answer_call=None, history=({"fallback": "closed_book"},))
         lines = [n.text if n.kind == "malformed" else f"{n.kind.upper()}: {n.text}" for n in notes]
         final = generate(llm, noted_answer_messages(question, [passages[i] for i in keep], [lines[i] for i in keep],
                                                     qtype, options), max_new_tokens=self.answer_tokens,

@@ -13,27 +13,36 @@ from certrag.strategies.base import LLM, Selection, Strategy, StrategyResult, ge
 from certrag.strategies.plain import Plain
 
 
-_SCORE = re.compile(r"score\s*:?\s*(\d+(?:\.\d+)?)", re.I)
-_FLAG = re.compile(r"context\s*:?\s*([+-]?\s*1)\b", re.I)
+_SCORE = re.compile(r"score[\s:*=]{0,6}(\d+(?:\.\d+)?)", re.I)
+_FLAG = re.compile(r"context[\s:*=]{0,6}([+-]?\s*[01])\b", re.I)
+_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?!\.?\d)")
 
 
-def parse_feedback(text: str) -> tuple[float | None, int]:
-    """(score 1-10 or None when absent, flag -1 / +1 / 0 when absent)."""
+def parse_feedback(text: str) -> tuple[float | None, int | None]:
+    """(score clipped to 1-10, or None when the text holds none; flag -1 / 0 / +1, or None when absent). The score
+    is the number after "Score", else the reply's first number when it opens the reply (a bare "7"); the flag is
+    the signed digit after "Context"."""
     s = _SCORE.search(text)
+    if s is None:
+        s = _NUMBER.match(text.strip().lstrip("*#").strip())
     f = _FLAG.search(text)
     score = min(10.0, max(1.0, float(s.group(1)))) if s else None
-    flag = 0
+    flag = None
     if f:
-        flag = -1 if f.group(1).replace(" ", "").startswith("-") else 1
+        digit = f.group(1).replace(" ", "")
+        flag = 0 if digit.lstrip("+-") == "0" else (-1 if digit.startswith("-") else 1)
     return score, flag
 
 
 @dataclass(frozen=True)
 class Feedback:
     """SAGE's self-feedback loop (Wang et al., 2025, section 3.3) around any strategy: after each answer the LLM
-    scores it 1-10 and flags the context -1 (too much) or +1 (too little); a score at or above `threshold` ends the
-    loop, otherwise min_k moves by the flag and the question is answered again, for at most `max_rounds` rounds.
-    Every round's tokens count. Without a usable score the loop stops (the answer stands).
+    scores it 1-10 and flags the context -1 (too much), +1 (too little) or 0 (right); a score at or above
+    `threshold` ends the loop, otherwise min_k moves by the flag and the question is answered again, for at most
+    `max_rounds` rounds. The last round's answer is not judged (its verdict could change nothing, and the call is
+    billed). Every round's tokens count. Without a usable score, or with flag 0, the loop stops (the answer
+    stands); a low score without a flag moves min_k by `default_flag` (+1: a low score on the engine's short
+    gradient-selected context most often means missing evidence), recorded in the history as flag_defaulted.
 
     The context of each round comes from `selection` (the engine's: the gradient selector's cut of the same
     reranked candidates with min_k moved); without one, from the given passages (all of them first, then the first
@@ -42,7 +51,8 @@ class Feedback:
     base: Strategy = field(default_factory=Plain)
     threshold: float = 9.0
     max_rounds: int = 3
-    max_new_tokens: int = 16  # the judge's budget
+    max_new_tokens: int = 24  # the judge's budget
+    default_flag: int = 1
 
     @property
     def name(self) -> str:
@@ -58,6 +68,8 @@ class Feedback:
             record_lookback: bool = False) -> StrategyResult:
         if self.max_rounds < 1:
             raise ValueError("max_rounds must be at least 1")
+        if self.default_flag not in (-1, 0, 1):
+            raise ValueError(f"default_flag must be -1, 0 or 1; got {self.default_flag!r}")
         selection = selection or Selection.fixed(passages)
         calls, history, result, answer_call = [], [], None, 0
         k = selection.min_k
@@ -66,12 +78,18 @@ class Feedback:
             result = self.base.run(question, context, llm, qtype, options, record_lookback=record_lookback)
             answer_call = None if result.answer_call is None else len(calls) + result.answer_call
             calls += result.calls
+            entry = {"round": round_no, "min_k": k, "passages": len(context), "answer": result.text}
+            if round_no == self.max_rounds:  # a verdict here could change nothing, so it is not asked (or billed)
+                history.append({**entry, "score": None, "flag": None, "judged": False})
+                break
             judge = generate(llm, feedback_messages(question, context, result.text),
                              max_new_tokens=self.max_new_tokens)
             calls.append(judge)
             score, flag = parse_feedback(judge.text)
-            history.append({"round": round_no, "min_k": k, "passages": len(context), "answer": result.text,
-                            "score": score, "flag": flag})
+            defaulted = flag is None
+            flag = self.default_flag if defaulted else flag
+            history.append({**entry, "score": score, "flag": flag, "flag_defaulted": defaulted, "judged": True,
+                            "judge": judge.text})
             if score is None or score >= self.threshold or flag == 0:
                 break
             new_k = min(selection.max_k, max(1, k + flag))

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from certrag.llm.prompts import Passage, plain_messages
-from certrag.strategies.base import LLM, Selection, StrategyResult, first_line, generate
+from certrag.strategies.base import LLM, UNKNOWN, Selection, StrategyResult, first_line, generate, is_unknown
 
 
 @dataclass(frozen=True)
 class Plain:
-    """Standard RAG (Lewis et al., 2020): passages in the prompt, a short answer out."""
+    """Standard RAG (Lewis et al., 2020): passages in the prompt, a short answer out -- or "unknown", the same way
+    out every strategy's prompt offers, read by the same rule (is_unknown) as a rejection."""
 
     max_new_tokens: int = 32
     name: str = "plain"
@@ -22,7 +23,10 @@ class Plain:
             record_lookback: bool = False) -> StrategyResult:
         g = generate(llm, plain_messages(question, list(passages), qtype, options),
                      max_new_tokens=self.max_new_tokens, record_lookback=record_lookback)
-        return StrategyResult(text=first_line(g.text), calls=(g,), passages_used=len(passages))
+        text = first_line(g.text)
+        rejected = is_unknown(text)
+        return StrategyResult(text=UNKNOWN if rejected else text, calls=(g,), rejected=rejected,
+                              malformed=not text, passages_used=len(passages))
 
     def with_max_new_tokens(self, n: int) -> "Plain":
         return dataclasses.replace(self, max_new_tokens=n)

@@ -14,10 +14,14 @@ A model whose vocabulary holds Self-RAG's reflection tokens ([Retrieval], [Relev
 [Utility:5], ...) is read directly, in Self-RAG's own prompt layout. Any other causal LM gets one short critique
 prompt per group, and the group's probabilities are those of its label words' first tokens.
 
-Segment score: p(segment) + w_rel s(IsRel) + w_sup s(IsSup) + w_use s(IsUse), with p(segment) the geometric mean of
-the segment's token probabilities. A path's score is the *mean* of its segments' scores: additive, so a path whose
-every segment scores at least another's never ranks below it, whatever the signs (a product, as in the reference
-code, inverts rankings once a term is negative), and a mean, so paths of different depths compare fairly.
+Segment score: (p(segment) + w_rel s(IsRel) + w_sup s(IsSup) + w_use s(IsUse)) / (1 + the absolute weights of the
+groups present), with p(segment) the geometric mean of the probabilities of the tokens the segment keeps (its first
+sentence, not the whole generation). Dividing by the weights present, as the reference code normalises its critique
+by what it read, puts a segment written without retrieval (IsUse only) on the same scale as one with all three
+groups: unnormalised, it would lose up to w_rel + w_sup points in the same beam for lacking terms, not for being
+worse. A path's score is the *mean* of its segments' scores: additive, so a path whose every segment scores at least
+another's never ranks below it, whatever the signs (a product, as in the reference code, inverts rankings once a term
+is negative), and a mean, so paths of different depths compare fairly.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 
 from certrag.llm.local import Generation
 from certrag.llm.prompts import Passage, escape, plain_messages
-from certrag.strategies.base import LLM, UNKNOWN, Selection, StrategyResult, first_line, generate
+from certrag.strategies.base import LLM, UNKNOWN, Selection, StrategyResult, first_line, generate, is_unknown
 
 UTILITY_WEIGHTS = (-1.0, -0.5, 0.0, 0.5, 1.0)
 GROUPS = {
@@ -100,14 +104,30 @@ class Weights:
 
 
 def segment_score(p_segment: float, probs: dict, weights: Weights = Weights()) -> float:
-    """p(segment) + w_rel s(IsRel) + w_sup s(IsSup) + w_use s(IsUse); a missing group adds nothing."""
+    """(p(segment) + w_rel s(IsRel) + w_sup s(IsSup) + w_use s(IsUse)) / (1 + |weights| present): a missing group
+    adds neither its term nor its weight, so segments critiqued on different groups share one scale (absolute
+    values, so a negative weight cannot shrink the divisor to zero)."""
     if not 0.0 <= p_segment <= 1.0:
         raise ValueError(f"p_segment must be a probability; got {p_segment}")
-    total = p_segment
+    total, norm = p_segment, 1.0
     for w, s in ((weights.rel, s_isrel(probs)), (weights.sup, s_issup(probs)), (weights.use, s_isuse(probs))):
         if s is not None:
             total += w * s
-    return total
+            norm += abs(w)
+    return total / norm
+
+
+def kept_probability(generation: Generation, kept: str, llm) -> float:
+    """p(segment) of the part of a generation that is kept: the geometric mean of the probabilities of the tokens
+    that write `kept` (a prefix of the generation), from the generation's per-token log-probabilities; a backend
+    without them gives the whole generation's mean. 0 when nothing is known."""
+    lps = generation.token_logprobs
+    if lps and hasattr(llm, "prefix_tokens"):
+        n = max(1, llm.prefix_tokens(generation.token_ids, kept))
+        lp = sum(lps[:n]) / len(lps[:n])
+    else:
+        lp = generation.mean_logprob
+    return min(1.0, math.exp(lp)) if math.isfinite(lp) else 0.0
 
 
 def path_score(segment_scores: Sequence[float]) -> float:
@@ -329,8 +349,8 @@ class SelfRag:
             crit = critic.critique(question, [passages[i].text if i >= 0 else None for i in use], texts, prior)
             out = []
             for j, (i, g, t, probs) in enumerate(zip(use, gens, texts, crit)):
-                p_seg = math.exp(g.mean_logprob) if math.isfinite(g.mean_logprob) else 0.0
-                score = segment_score(min(p_seg, 1.0), probs, self.weights)
+                p_seg = kept_probability(g, t, llm)
+                score = segment_score(p_seg, probs, self.weights)
                 sup = _group(probs, "issup")
                 unsupported = sup is not None and sup.sum() > 0 and int(np.argmax(sup)) == 2
                 # final: the model ended its answer within this sentence (closed-set answers are one segment)
@@ -353,11 +373,12 @@ class SelfRag:
         text = first_line(best.text) if qtype != "open" else best.text
         if qtype in ("multiple_choice", "yes_no"):
             text = self._closed_set(pool, qtype, options, trace) or text
+        rejected = is_unknown(text)
         cited = sorted({s.passage for s in best.segments if s.passage >= 0})
         summary = {"chosen": [s.passage for s in best.segments], "score": best.score, "cited_passages": cited,
                    "critic_forward_passes": critic.forward_passes}
-        return StrategyResult(text=text, calls=tuple(calls) + (critic_calls,), passages_used=len(passages),
-                              cited=tuple(cited), answer_call=best.segments[-1].call,
+        return StrategyResult(text=UNKNOWN if rejected else text, calls=tuple(calls) + (critic_calls,),
+                              rejected=rejected, passages_used=len(passages), cited=tuple(cited), answer_call=best.segments[-1].call,
                               history=tuple(trace) + (summary,))
 
     @staticmethod
