@@ -63,7 +63,8 @@ def test_noise_protocol_passage_sets(nq_engine, ratio, relevant):
         ranked, pool = protocol_retrievals(engine, item.question, 5)
         chosen = noise_passages(item, ranked, 5, ratio, relevant_pool=pool)
         gold = item.gold_text.strip()
-        have_relevant = 1 + len({t.strip() for t in pool.texts if t.strip() != gold and answer_in_text(t, item.answers)})
+        have_relevant = 1 + len({t.strip() for t in pool.texts
+                                 if t.strip() != gold and answer_in_text(t, item.answers)})
         have_noisy = len({t.strip() for t in ranked.texts if t.strip() != gold and not answer_in_text(t, item.answers)})
         if have_relevant < relevant or have_noisy < 5 - relevant:
             assert chosen is None

@@ -123,7 +123,8 @@ def test_a_note_is_held_to_its_passage():
     assert check_note("answers", note, eagles, q) == "context"  # 2004 is not there, but the passage is on topic
     assert check_note("context", "About the Eagles' history.", eagles, q) == "context"
     assert check_note("context", "About loops.", doc, q) == "irrelevant"
-    assert check_note("irrelevant", "x", eagles, q) == "irrelevant" and check_note("malformed", "x", doc, q) == "malformed"
+    assert check_note("irrelevant", "x", eagles, q) == "irrelevant"
+    assert check_note("malformed", "x", doc, q) == "malformed"
     # through the strategy: the demoted note leaves nothing to answer from, so the model is asked without passages
     llm = Scripted(["ANSWERS: The last time the Philadelphia won the Super Bowl was in 2004.", "unknown"])
     r = ChainOfNote().run(q, [Passage(doc)], llm)

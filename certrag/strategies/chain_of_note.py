@@ -57,10 +57,11 @@ _NOTE_KIND = re.compile(r"^[\s*#>-]*(?:reading\s+)?(?:note\s*\d*\s*)?[\[(]?\s*(a
                         r"[\s*\])]*[:-]?[\s*]*(.*)$", re.I)
 
 
-_STOP = frozenset("""a an the of in on at to for from by with and or but is are was were be been being it its this that these
-those which who whom whose what when where why how as than then there their they them he she his her we you i not no
-yes do does did has have had will would can could should may might also about into over under after before during
-passage note answer answers states stated question context irrelevant says said first last""".split())
+_STOP = frozenset("""a an the of in on at to for from by with and or but is are was were be been being it its this that
+these those which who whom whose what when where why how as than then there their they them he she
+his her we you i not no yes do does did has have had will would can could should may might also
+about into over under after before during passage note answer answers states stated question context
+irrelevant says said first last""".split())
 _WORD = re.compile(r"[a-z0-9]+")
 
 

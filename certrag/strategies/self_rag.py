@@ -378,7 +378,8 @@ class SelfRag:
         summary = {"chosen": [s.passage for s in best.segments], "score": best.score, "cited_passages": cited,
                    "critic_forward_passes": critic.forward_passes}
         return StrategyResult(text=UNKNOWN if rejected else text, calls=tuple(calls) + (critic_calls,),
-                              rejected=rejected, passages_used=len(passages), cited=tuple(cited), answer_call=best.segments[-1].call,
+                              rejected=rejected, passages_used=len(passages), cited=tuple(cited),
+                              answer_call=best.segments[-1].call,
                               history=tuple(trace) + (summary,))
 
     @staticmethod
