@@ -2,21 +2,31 @@
 
 On NQ-open test questions (certrag.data.nq) over the store of bench_retrieval.py (gold passages + Wikipedia leads),
 with the bundled Qwen2.5-Coder-0.5B-Instruct: plain vs chain_of_note vs feedback(plain) on the engine's own
-retrieval, and Chain-of-Note's noise protocol (Yu et al., 2023, Table 3: k = 5 passages, noise ratios 0, 0.5, 1.0)
-for plain and chain_of_note. Reported: EM, F1, reject rate, input/output tokens, cost (placeholder price table,
-certrag.cost) and cost-efficiency (EM / cost), latency p50; and one question end to end with each stage's share.
+retrieval, and Chain-of-Note's noise protocol (Yu et al., 2023, Table 3: exactly k = 5 passages, noise ratios 0,
+0.5 and 1.0; certrag.eval.qa) for plain and chain_of_note. Every strategy has the same "unknown" option and the same
+refusal rule, so reject rates compare. Reported: EM, F1, reject rate, input/output tokens, cost (placeholder price
+table, certrag.cost) and cost-efficiency (EM / cost), latency p50; for the feedback loop the distribution of the
+judge's scores, flags and rounds; and one question end to end with each stage's share.
+
+Which questions each condition runs on:
+- the engine's own retrieval and noise 0.5 / 1.0: the first --questions test questions (noise 0.5 needs 2 relevant
+  passages, so a question without a second answer-bearing passage is skipped and counted);
+- noise 0 (five relevant passages): every question among the first --scan that has five (about 15% do), so that
+  the row has enough questions.
+Within a ratio plain and chain_of_note see the same questions and the same passages (paired).
 
 Generation is slow on 2 cores (about 6 tokens/s per core), so questions are sharded over --workers processes of one
 torch thread each, each pinned to its own core; each worker answers every condition of a question before the next
 and appends each row to its shard file in benchmarks/data/ (--resume continues a run, --report-only summarises the
-complete questions so far).
+rows so far).
 
-    python benchmarks/bench_qa.py --questions 200 --workers 2
+    python benchmarks/bench_qa.py --questions 200 --noise-questions 100 --scan 700 --workers 2
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import subprocess
 import sys
@@ -25,37 +35,36 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-# (label, strategy, noise ratio): None = the engine's own retrieval, else Chain-of-Note's noise protocol (k = 5).
+# (label, strategy, noise ratio): None = the engine's own retrieval, else the noise protocol (k = 5).
 CONDITIONS = [("plain", "plain", None), ("chain_of_note", "chain_of_note", None), ("feedback", "feedback", None),
-              ("plain", "plain", 0.0), ("plain", "plain", 0.5), ("plain", "plain", 1.0),
-              ("chain_of_note", "chain_of_note", 0.0), ("chain_of_note", "chain_of_note", 0.5),
-              ("chain_of_note", "chain_of_note", 1.0), ("chain_of_note single-call", "con_single", None)]
-# The single-call layout is last: `--conditions 9` leaves it out.
+              ("plain", "plain", 0.0), ("chain_of_note", "chain_of_note", 0.0),
+              ("plain", "plain", 1.0), ("chain_of_note", "chain_of_note", 1.0),
+              ("plain", "plain", 0.5), ("chain_of_note", "chain_of_note", 0.5)]
+K = 5
 
 
-def _strategy(name: str):
-    if name == "con_single":  # the paper's one-generation layout, for comparison with the per-passage default
-        from certrag.strategies import ChainOfNote
-
-        return ChainOfNote(mode="single")
-    return name
+def _shard_path(args, shard: int) -> Path:
+    return _common.DATA_DIR / (f"bench_qa2-{args.model}-{args.dtype}-{args.questions}q-{args.noise_questions}n-"
+                               f"{args.scan}s-shard{shard}of{args.workers}.jsonl")
 
 
-def _shard_path(args, shard: int, reverse: bool = False) -> Path:
-    return _common.DATA_DIR / (f"bench_qa-{args.model}-{args.dtype}-{args.questions}q-shard{shard}of{args.workers}"
-                               f"{'-rev' if reverse else ''}.jsonl")
-
-
-def _shard_records(args, shard: int) -> list[dict]:
-    """The rows of a shard: its own file and the one a helper wrote working from the shard's end (--reverse)."""
-    paths = [_shard_path(args, shard), _shard_path(args, shard, reverse=True)]
+def _records(args) -> list[dict]:
+    paths = [_shard_path(args, i) for i in range(args.workers)]
     return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
 
 
+def _wanted(qi: int, noise, args) -> bool:
+    if noise == 0.0:
+        return qi < args.scan
+    if noise is None:
+        return qi < args.questions
+    return qi < args.noise_questions
+
+
 def worker(args) -> None:
-    """Question-major: every condition of a question before the next question, each row appended to the shard's
-    JSONL file as it is done (so a run cut short leaves complete, paired questions; --resume continues it)."""
-    _common.pin_threads(1, offset=args.shard if args.core is None else args.core)  # one core per worker
+    """Question-major: every condition of a question before the next, each row (or a skip) appended to the shard's
+    file as it is done, so a run cut short leaves complete, paired questions; --resume continues it."""
+    _common.pin_threads(1, offset=args.shard)  # one core per worker
     from _nq import cached_embedder, nq_store
 
     from certrag.data.nq import load_nq_open
@@ -65,28 +74,49 @@ def worker(args) -> None:
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model, dtype=args.dtype)
-    indexed = list(enumerate(load_nq_open(split="test")[: args.questions]))[args.shard::args.workers]
-    if args.reverse:  # a helper taking a slow shard's questions from its end
-        indexed = indexed[::-1]
-    path = _shard_path(args, args.shard, args.reverse)
-    done = {(r["q"], r["condition"]) for r in _shard_records(args, args.shard)}
+    conditions = CONDITIONS[: args.conditions]
+    last = max(args.questions, args.noise_questions, args.scan)
+    indexed = list(enumerate(load_nq_open(split="test")[:last]))[args.shard::args.workers]
+    path = _shard_path(args, args.shard)
+    done = {(r["q"], r["condition"]) for r in _records(args)} if args.resume else set()
     with path.open("a") as out:
         for qi, item in indexed:
-            retrievals = {}  # the noise conditions of one question share its retrieval
-            for c, (label, strategy, noise) in enumerate(CONDITIONS[: args.conditions]):
-                if (qi, c) in done or (args.reverse and (qi, c) in {(r["q"], r["condition"])
-                                                                     for r in _shard_records(args, args.shard)}):
+            retrievals = {}  # the noise conditions of one question share its retrievals
+            for c, (label, strategy, noise) in enumerate(conditions):
+                if (qi, c) in done or not _wanted(qi, noise, args):
                     continue
-                row = evaluate(engine, [item], _strategy(strategy), noise_ratio=noise, progress=False,
-                               retrievals=retrievals)["rows"][0]
+                report = evaluate(engine, [item], strategy, noise_ratio=noise, k=K, progress=False,
+                                  retrievals=retrievals)
+                row = report["rows"][0] if report["rows"] else None  # None: not eligible for this ratio
                 out.write(json.dumps({"q": qi, "condition": c, "row": row}) + "\n")
                 out.flush()
             print(f"shard {args.shard}: question {qi} done", file=sys.stderr, flush=True)
 
 
+def feedback_distribution(rows: list[dict]) -> dict:
+    """The judge's verdicts over the feedback rows: rounds, scores, flags (and how many were defaulted)."""
+    rounds = collections.Counter(r["rounds"] for r in rows)
+    scores, flags, defaulted, unparsed = collections.Counter(), collections.Counter(), 0, 0
+    for r in rows:
+        for h in r.get("history") or []:
+            if not h.get("judged"):
+                continue
+            if h["score"] is None:
+                unparsed += 1
+            else:
+                scores[int(h["score"])] += 1
+            flags[h["flag"]] += 1
+            defaulted += bool(h.get("flag_defaulted"))
+    return {"rounds": dict(sorted(rounds.items())), "scores": dict(sorted(scores.items())),
+            "flags": {str(k): v for k, v in sorted(flags.items(), key=lambda kv: str(kv[0]))},
+            "flags_defaulted": defaulted, "unparsed_scores": unparsed}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--questions", type=int, default=200)
+    p.add_argument("--questions", type=int, default=200, help="questions for the engine's own retrieval")
+    p.add_argument("--noise-questions", type=int, default=100, help="questions for noise 0.5 and 1.0")
+    p.add_argument("--scan", type=int, default=700, help="questions scanned for noise 0's five relevant passages")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--conditions", type=int, default=len(CONDITIONS), help="run only the first N conditions")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -96,8 +126,6 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true", help="summarise the shard files as they are")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reverse", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.shard is not None:
         worker(args)
@@ -112,26 +140,37 @@ def main() -> None:
         if not args.resume:
             for i in range(args.workers):
                 _shard_path(args, i).unlink(missing_ok=True)
-                _shard_path(args, i, reverse=True).unlink(missing_ok=True)
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # build it once, before the workers
-        procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), "--workers", str(args.workers),
-                                   "--questions", str(args.questions), "--conditions", str(args.conditions),
-                                   "--model", args.model, "--dtype", args.dtype]) for i in range(args.workers)]
+        forwarded = ["--workers", str(args.workers), "--questions", str(args.questions), "--noise-questions",
+                     str(args.noise_questions), "--scan", str(args.scan), "--conditions", str(args.conditions),
+                     "--model", args.model, "--dtype", args.dtype] + (["--resume"] if args.resume else [])
+        procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded])
+                 for i in range(args.workers)]
         for proc in procs:
             if proc.wait() != 0:
                 raise SystemExit(f"a worker failed with exit code {proc.returncode}")
-    records = [r for i in range(args.workers) for r in _shard_records(args, i)]
     conditions = CONDITIONS[: args.conditions]
-    by_q: dict[int, dict[int, dict]] = {}
-    for r in records:
+    by_q: dict[int, dict[int, dict | None]] = {}
+    for r in _records(args):
         by_q.setdefault(r["q"], {})[r["condition"]] = r["row"]
-    complete = sorted(q for q, rows in by_q.items() if len(rows) == len(conditions))  # paired: every condition
-    summaries, all_rows = [], []
-    for c, (label, _, noise) in enumerate(conditions):
-        rows = [QARow(**{**by_q[q][c], "answers": tuple(by_q[q][c]["answers"])}) for q in complete]
-        summaries.append(summarise(rows, label, noise))
-        all_rows.append({"strategy": label, "noise": noise, "summary": summaries[-1],
-                         "rows": [by_q[q][c] for q in complete]})
+
+    # Paired sets: within a ratio, the questions every strategy of that ratio has answered (or skipped).
+    ratio_conditions = collections.defaultdict(list)
+    for c, (_, _, noise) in enumerate(conditions):
+        ratio_conditions[noise].append(c)
+    summaries, all_rows, counts = [], [], {}
+    for noise, cs in ratio_conditions.items():
+        complete = sorted(q for q, rows in by_q.items() if all(c in rows for c in cs))
+        eligible = [q for q in complete if all(by_q[q][c] is not None for c in cs)]
+        counts[noise] = {"asked": len(complete), "eligible": len(eligible)}
+        for c in cs:
+            label = conditions[c][0]
+            rows = [QARow(**{**by_q[q][c], "answers": tuple(by_q[q][c]["answers"])}) for q in eligible]
+            summaries.append({**summarise(rows, label, noise), "asked": len(complete)})
+            all_rows.append({"strategy": label, "noise": noise, "summary": summaries[-1],
+                             "rows": [{**by_q[q][c], "q": q} for q in eligible]})
+    fb = next((r for r in all_rows if r["strategy"] == "feedback"), None)
+    fb_dist = feedback_distribution(fb["rows"]) if fb else {}
 
     # One question end to end, with each stage's share.
     _common.pin_threads(1)
@@ -147,43 +186,56 @@ def main() -> None:
     stages = {"embed": t["embed_ms"], "search": t["search_ms"], "rerank": t["rerank_ms"], "select": t["select_ms"],
               "generate": t["generate_ms"]}
     total = sum(stages.values())
-    meta = _common.meta({"bench": "bench_qa", "model": args.model, "dtype": args.dtype, "questions": len(complete),
-                         "questions_asked": args.questions, "end_to_end_ms": stages})
+    meta = _common.meta({"bench": "bench_qa", "model": args.model, "dtype": args.dtype, "counts": counts,
+                         "questions": args.questions, "noise_questions": args.noise_questions, "scan": args.scan,
+                         "feedback": fb_dist, "end_to_end_ms": stages})
     by = {(x["strategy"], x["noise_ratio"]): x for x in summaries}
 
-    def em(label, noise):
+    def val(label, noise, key="em", fmt="{:.3f}"):
         x = by.get((label, noise))
-        return f"{x['em']:.3f}" if x and x["n"] else "n/a"
+        return fmt.format(x[key]) if x and x["n"] else "n/a"
 
     def paired(a, b):  # questions where one strategy is right and the other wrong (same questions, same passages)
-        ca = [i for i, (l, _, n) in enumerate(conditions) if (l, n) == a]
-        cb = [i for i, (l, _, n) in enumerate(conditions) if (l, n) == b]
-        if not ca or not cb:
+        ra = next((r for r in all_rows if (r["strategy"], r["noise"]) == a), None)
+        rb = next((r for r in all_rows if (r["strategy"], r["noise"]) == b), None)
+        if ra is None or rb is None:
             return "n/a"
-        wins = sum(by_q[q][ca[0]]["em"] > by_q[q][cb[0]]["em"] for q in complete)
-        losses = sum(by_q[q][ca[0]]["em"] < by_q[q][cb[0]]["em"] for q in complete)
+        wins = sum(x["em"] > y["em"] for x, y in zip(ra["rows"], rb["rows"]))
+        losses = sum(x["em"] < y["em"] for x, y in zip(ra["rows"], rb["rows"]))
         return f"{wins} / {losses}"
+
+    def n_of(noise):
+        c = counts.get(noise)
+        return f"{c['eligible']} of {c['asked']}" if c else "n/a"
 
     text = "\n".join([
         "### Answering strategies (bench_qa.py)\n",
-        (f"**Verdict ({len(complete)} questions, every condition on each):** on the engine's own retrieval EM is "
-         f"plain {em('plain', None)}, chain_of_note {em('chain_of_note', None)}, feedback(plain) "
-         f"{em('feedback', None)}; under the noise protocol (k = 5) plain {em('plain', 0.0)} / {em('plain', 0.5)} / "
-         f"{em('plain', 1.0)} and chain_of_note {em('chain_of_note', 0.0)} / {em('chain_of_note', 0.5)} / "
-         f"{em('chain_of_note', 1.0)} at noise 0 / 0.5 / 1. Questions chain_of_note gets right and plain wrong / the "
+        (f"**Verdict:** on the engine's own retrieval ({n_of(None)} questions) EM is plain {val('plain', None)}, "
+         f"chain_of_note {val('chain_of_note', None)}, feedback(plain) {val('feedback', None)} (EM / cost: plain "
+         f"{val('plain', None, 'cost_efficiency', '{:.3g}')}, feedback "
+         f"{val('feedback', None, 'cost_efficiency', '{:.3g}')}). "
+         f"Noise protocol, exactly k = 5 passages: at noise 0 ({n_of(0.0)} questions eligible) plain "
+         f"{val('plain', 0.0)} / chain_of_note {val('chain_of_note', 0.0)}; at noise 0.5 ({n_of(0.5)}) "
+         f"{val('plain', 0.5)} / {val('chain_of_note', 0.5)}; at noise 1.0 ({n_of(1.0)}) {val('plain', 1.0)} / "
+         f"{val('chain_of_note', 1.0)}, reject rate {val('plain', 1.0, 'reject_rate')} / "
+         f"{val('chain_of_note', 1.0, 'reject_rate')}. Questions chain_of_note gets right and plain wrong / the "
          f"reverse: {paired(('chain_of_note', None), ('plain', None))} (retrieved), "
-         f"{paired(('chain_of_note', 0.5), ('plain', 0.5))} (noise 0.5).\n"),
-        (f"{args.model} in {args.dtype} (bfloat16 prefills about 2x faster here than float32; the earlier pilot "
-         f"was float32), greedy; NQ-open test questions (the first {args.questions}, {len(complete)} complete), "
-         "store of bench_retrieval.py. Chain-of-Note runs per passage (a batched one-line note per passage, the "
-         "answer from the passages not noted irrelevant, 'unknown' without a call when every passage is): the "
-         "paper's one-call layout is ignored by this reader (pilot: 20 of 20 answers without notes). Costs use "
+         f"{paired(('chain_of_note', 1.0), ('plain', 1.0))} (noise 1.0).\n"),
+        (f"{args.model} in {args.dtype}, greedy; NQ-open test questions, store of bench_retrieval.py. Every "
+         "strategy's prompt offers 'unknown' and every strategy counts it as a rejection by the same rule "
+         "(certrag.strategies.is_unknown). Chain-of-Note runs per passage: a batched one-line note per passage, "
+         "each ANSWERS / CONTEXT note held to its passage (check_note), the answer from the passages not noted "
+         "irrelevant, and when every passage is irrelevant one closed-book call that may say 'unknown'. Noise "
+         "protocol: exactly 5 passages, noisy = floor(5 r + 1/2) (r = 0.5: 2 relevant + 3 noisy), relevant = the "
+         "gold passage and answer-bearing passages of a 100-deep dense pool, noisy = the highest-reranked "
+         "answer-free candidates; 'eligible of asked' counts the questions that have enough of each. Costs use "
          "certrag's placeholder price table (0.10 / 0.40 per million input / output tokens), so only ratios between "
-         "strategies mean anything. 'retrieved' = the engine's reranked, gradient-selected passages; 0.0 / 0.5 / 1.0 "
-         "= Chain-of-Note's noise protocol with k = 5 (relevant passages: the gold one and retrieved ones holding an "
-         "answer, as many as exist up to k(1-r); the rest hard negatives). p50 s = per answer, two workers on two "
-         "cores, one torch thread each.\n"),
+         "strategies mean anything. p50 s = per answer, two workers on two cores, one torch thread each.\n"),
         markdown(summaries),
+        ("\nFeedback loop (judge = the same reader; the last round is not judged): rounds "
+         f"{fb_dist.get('rounds')}; judge scores {fb_dist.get('scores')} ({fb_dist.get('unparsed_scores')} "
+         f"without a score); flags {fb_dist.get('flags')}, of which {fb_dist.get('flags_defaulted')} defaulted to "
+         "+1 (a low score without a readable flag widens the context).\n" if fb_dist else ""),
         f"\nOne question end to end ({total:.0f} ms): " + ", ".join(
             f"{k} {v:.0f} ms ({v / total:.0%})" for k, v in stages.items()) + ".\n",
         _common.footer(meta)])

@@ -43,6 +43,7 @@ class QARow:
     cost: float
     seconds: float
     rounds: int = 1
+    history: tuple = ()  # the strategy's own record (the feedback loop's rounds with the judge's verdicts, ...)
 
 
 RELEVANT_POOL = 100  # dense candidates searched for answer-bearing passages
@@ -124,6 +125,7 @@ def evaluate(engine, items: list[QAItem], strategy: str = "plain", *, noise_rati
             a = engine.answer(item.question, strategy=strategy, prices=prices, max_new_tokens=max_new_tokens)
             pred, rejected, malformed = a.text, a.rejected, a.malformed
             tin, tout, cost, rounds, rel, noise = a.input_tokens, a.output_tokens, a.cost, a.rounds, -1, -1
+            history = tuple(a.trace.get("history", ()))
         else:
             if strategy.startswith("feedback"):
                 raise ValueError(f"the noise protocol runs plain, chain_of_note or self_rag, not {strategy!r}")
@@ -137,14 +139,15 @@ def evaluate(engine, items: list[QAItem], strategy: str = "plain", *, noise_rati
             if max_new_tokens is not None:
                 base = base.with_max_new_tokens(max_new_tokens)
             res = base.run(item.question, passages, engine.llm)
-            pred, rejected, malformed, rounds = res.text, res.rejected, res.malformed, 1
+            pred, rejected, malformed, rounds, history = res.text, res.rejected, res.malformed, 1, res.history
             tin, tout = res.input_tokens, res.output_tokens
             cost = prices.cost(getattr(engine.llm, "name", "llm"), tin, tout)
         rows.append(QARow(question=item.question, answers=item.answers, prediction=pred,
                           em=0.0 if rejected else exact_match(pred, item.answers),
                           f1=0.0 if rejected else f1_score(pred, item.answers), rejected=rejected,
                           malformed=malformed, relevant_passages=rel, noisy_passages=noise, input_tokens=tin,
-                          output_tokens=tout, cost=cost, seconds=time.perf_counter() - started, rounds=rounds))
+                          output_tokens=tout, cost=cost, seconds=time.perf_counter() - started, rounds=rounds,
+                          history=history))
     summary = {**summarise(rows, strategy, noise_ratio), "skipped": skipped}
     return {"rows": [asdict(r) for r in rows], "summary": summary}
 
@@ -170,6 +173,9 @@ def markdown(summaries: list[dict]) -> str:
     lines = [head, "|" + "---|" * 12]
     for s in summaries:
         noise = "retrieved" if s["noise_ratio"] is None else f"{s['noise_ratio']:.1f}"
+        if not s["n"]:
+            lines.append(f"| {s['strategy']} | {noise} | 0 |" + " n/a |" * 9)
+            continue
         lines.append(f"| {s['strategy']} | {noise} | {s['n']} | {s['em']:.3f} | {s['f1']:.3f} | "
                      f"{s['reject_rate']:.3f} | {s['malformed_rate']:.3f} | {s['input_tokens']:.0f} | "
                      f"{s['output_tokens']:.0f} | {s['cost']:.2e} | {s['cost_efficiency']:.3g} | "
