@@ -130,3 +130,46 @@ def test_the_packaged_head_loads_and_separates_topics(embedder):
     change = seg.pair_probabilities(["The violin has four strings tuned in fifths.",
                                      "Photosynthesis converts light energy into chemical energy in plants."])
     assert same[0] > change[0]
+
+
+def test_sage_cuts_where_the_topic_changes(embedder, wiki_docs):
+    """Documents made of leads of different articles, joined without paragraph breaks: the true boundaries are the
+    junctions. SAGE's cuts must find most of them and few others; an inverted threshold (cutting where the head
+    says 'same chunk') finds few."""
+    def scores(threshold):
+        seg = Segmenter(embedder=embedder, config=SegmenterConfig(min_tokens=8, max_tokens=512, window_tokens=512,
+                                                                  threshold=threshold, paragraph_breaks=False))
+        found = cuts = junctions = 0
+        for doc in wiki_docs[:10]:
+            text = " ".join(p.strip() for p in doc.paragraphs)
+            ends, pos = [], 0
+            for p in doc.paragraphs[:-1]:
+                pos += len(p.strip()) + 1
+                ends.append(pos)
+            starts = [c.start for c in seg.split(text)][1:]
+            cuts += len(starts)
+            junctions += len(ends)
+            found += sum(any(abs(s - e) <= 1 for s in starts) for e in ends)
+        return found / junctions, found / max(cuts, 1)
+
+    recall, precision = scores(0.5)
+    assert recall >= 0.6 and precision >= 0.5, (recall, precision)
+    inv_recall, inv_precision = scores(0.999)  # cut almost everywhere: recall cannot be the point
+    assert inv_precision < precision
+
+
+def test_paragraph_breaks_are_hard_cuts(embedder):
+    one = ("The violin has four strings tuned in perfect fifths, and it is the smallest and highest-pitched member "
+           "of the violin family of string instruments in regular use.")
+    two = ("Its body is usually made of spruce and maple, and the strings are played with a bow strung with horse "
+           "hair or plucked with the fingers in pizzicato passages.")
+    text = f"{one}\n\n{two}"
+    never = dict(min_tokens=8, max_tokens=512, window_tokens=512, threshold=0.0)  # the head never cuts
+    on = Segmenter(embedder=embedder, config=SegmenterConfig(**never)).split(text)
+    off = Segmenter(embedder=embedder, config=SegmenterConfig(**never, paragraph_breaks=False)).split(text)
+    assert [text[c.start:c.end] for c in on] == [one, two]
+    assert len(off) == 1
+    # a paragraph shorter than min_tokens (a heading) joins its neighbour instead
+    titled = f"Violin\n\n{one}\n\n{two}"
+    chunks = Segmenter(embedder=embedder, config=SegmenterConfig(**never)).split(titled)
+    assert [titled[c.start:c.end] for c in chunks] == [f"Violin\n\n{one}", two]

@@ -39,6 +39,9 @@ class SegmenterConfig:
         Chunks end at sentence boundaries whenever the bounds allow; where they do not (a sentence longer than
         max_tokens, or a short sentence wedged between long ones), a cut falls at a word boundary inside a sentence.
     newline_is_break: treat every newline (not only blank lines) as a paragraph break when splitting sentences.
+    paragraph_breaks: a paragraph break (a blank line; any newline with newline_is_break) is a cut point whatever
+        the head says, and the weakest joint when sizes are enforced: a chunk never spans two paragraphs unless one
+        of them is shorter than min_tokens (a heading, a one-line paragraph), which then joins its neighbour.
     """
 
     window_tokens: int = 256
@@ -46,6 +49,7 @@ class SegmenterConfig:
     min_tokens: int = 24
     max_tokens: int = 256
     newline_is_break: bool = False
+    paragraph_breaks: bool = True
 
     def __post_init__(self) -> None:
         if self.window_tokens < 1:
@@ -272,10 +276,16 @@ class Segmenter:
         if not units.spans:
             return []
         probs = self.pair_probabilities([text[s:e] for s, e in units.spans])
+        strength = probs.astype(np.float64)
         window_starts = set(_windows(units.tokens, cfg.window_tokens))
         cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < cfg.threshold or (i + 1) in window_starts]
+        if cfg.paragraph_breaks:
+            para = np.asarray(units.paragraph)
+            joints = np.flatnonzero(para[1:] != para[:-1])
+            cuts += [int(i) + 1 for i in joints]
+            strength[joints] = -1.0  # weaker than any probability: merged across last, split at first
         cuts = sorted(set(cuts))
-        starts = _enforce_sizes(cuts, units.tokens, probs.astype(np.float64), cfg.min_tokens, cfg.max_tokens)
+        starts = _enforce_sizes(cuts, units.tokens, strength, cfg.min_tokens, cfg.max_tokens)
         chunks = _chunks(text, units, starts)
         if any(c.n_tokens < cfg.min_tokens for c in chunks) and len(chunks) > 1:
             chunks = _repair_small(text, chunks, cfg.min_tokens, cfg.max_tokens, self.embedder._counter)
