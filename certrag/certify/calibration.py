@@ -85,31 +85,53 @@ def load_calibration_items(data: object) -> list[CalibrationItem]:
     return items
 
 
-class ChunkJudge:
-    """Decides which candidates are correct for an item (see the module docstring); RougeL from `rouge-score`."""
+JUDGE_RULES = ("source_id", "source_text", "answer_span", "answer_rougeL")
 
-    def __init__(self, *, answer_threshold: float = 0.8, source_threshold: float = 0.9) -> None:
+
+class ChunkJudge:
+    """Decides which candidates are correct for an item, by four rules (any one suffices):
+
+    - source_id: the candidate's document is the item's source document;
+    - source_text: the candidate is a piece of the source passage (RougeL precision >= source_threshold);
+    - answer_span: a short reference answer (at most span_tokens tokens) occurs in the candidate as a whole,
+      contiguous token span -- for a one- or two-token answer (a year, a number, a name) RougeL recall >= 0.8 is
+      merely "the tokens occur somewhere", which marks any chunk mentioning 1990 correct for every 1990 answer;
+    - answer_rougeL: a longer answer's RougeL recall >= answer_threshold.
+    Tokens are rouge-score's (lower-cased alphanumerics), the implementation the ROUGE-reporting papers use."""
+
+    def __init__(self, *, answer_threshold: float = 0.8, source_threshold: float = 0.9, span_tokens: int = 4) -> None:
         for name, v in (("answer_threshold", answer_threshold), ("source_threshold", source_threshold)):
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1]; got {v}")
+        if isinstance(span_tokens, bool) or not isinstance(span_tokens, int) or span_tokens < 0:
+            raise ValueError(f"span_tokens must be a non-negative integer; got {span_tokens!r}")
         from rouge_score import rouge_scorer, tokenizers
 
         self.answer_threshold = answer_threshold
         self.source_threshold = source_threshold
+        self.span_tokens = span_tokens
         self._scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
         self._tokenize = tokenizers.DefaultTokenizer(use_stemmer=False).tokenize
 
     def correct(self, item: CalibrationItem, doc_ids: Sequence[str], texts: Sequence[str]) -> np.ndarray:
-        out = np.zeros(len(texts), dtype=bool)
+        """Whether each candidate is correct by any rule."""
+        return np.logical_or.reduce(list(self.by_rule(item, doc_ids, texts).values()))
+
+    def by_rule(self, item: CalibrationItem, doc_ids: Sequence[str], texts: Sequence[str]) -> dict[str, np.ndarray]:
+        """Each rule's verdict on each candidate (JUDGE_RULES order)."""
+        out = {rule: np.zeros(len(texts), dtype=bool) for rule in JUDGE_RULES}
         source_tokens = set(self._tokenize(item.source_text)) if item.source_text else None
+        answers = [(a, self._tokenize(a)) for a in item.answers]
+        short = [toks for _, toks in answers if toks and len(toks) <= self.span_tokens]
+        long = [a for a, toks in answers if len(toks) > self.span_tokens]
         for i, (doc_id, text) in enumerate(zip(doc_ids, texts)):
-            if item.source_id is not None and doc_id == item.source_id:
-                out[i] = True
-            elif source_tokens is not None and self._is_piece_of_source(text, item.source_text, source_tokens):
-                out[i] = True
-            else:
-                out[i] = any(self._scorer.score(a, text)["rougeL"].recall >= self.answer_threshold
-                             for a in item.answers)
+            out["source_id"][i] = item.source_id is not None and doc_id == item.source_id
+            out["source_text"][i] = (source_tokens is not None
+                                     and self._is_piece_of_source(text, item.source_text, source_tokens))
+            tokens = self._tokenize(text) if short else ()
+            out["answer_span"][i] = any(_has_span(tokens, s) for s in short)
+            out["answer_rougeL"][i] = any(self._scorer.score(a, text)["rougeL"].recall >= self.answer_threshold
+                                          for a in long)
         return out
 
     def _is_piece_of_source(self, text: str, source: str, source_tokens: set) -> bool:
@@ -121,6 +143,11 @@ class ChunkJudge:
         if sum(t in source_tokens for t in tokens) < self.source_threshold * len(tokens):
             return False
         return self._scorer.score(source, text)["rougeL"].precision >= self.source_threshold
+
+
+def _has_span(tokens: Sequence[str], span: Sequence[str]) -> bool:
+    n = len(span)
+    return any(list(tokens[i:i + n]) == list(span) for i in range(len(tokens) - n + 1))
 
 
 def stable_holdout(question: str, fraction: float) -> bool:
@@ -147,8 +174,8 @@ def score_items(engine, items: list[CalibrationItem], judge: ChunkJudge, *, cand
 
 
 def calibrate(engine, data: object, *, alpha: float = 0.1, holdout: float = 0.3, eval_data: object = None,
-              answer_threshold: float = 0.8, source_threshold: float = 0.9, candidates: int | None = None,
-              progress: bool = True) -> tuple[Calibration, ScoredItems, ScoredItems]:
+              answer_threshold: float = 0.8, source_threshold: float = 0.9, span_tokens: int = 4,
+              candidates: int | None = None, progress: bool = True) -> tuple[Calibration, ScoredItems, ScoredItems]:
     """Calibrates s_thres on data and checks it on held-out items: eval_data when given, else the `holdout`
     fraction of data chosen by a stable hash of the question. Returns the record and the scored calibration and
     held-out items (for sweeps and plots); Engine.calibrate stores the record with the store."""
@@ -167,15 +194,17 @@ def calibrate(engine, data: object, *, alpha: float = 0.1, holdout: float = 0.3,
                                + (f" after holding out {len(eval_items)} for the check" if eval_data is None else ""))
     n_cand = candidates or engine.config.retrieval.candidates
     transform = score_transform_name(engine.reranker_identity() is not None)
-    judge = ChunkJudge(answer_threshold=answer_threshold, source_threshold=source_threshold)
+    judge = ChunkJudge(answer_threshold=answer_threshold, source_threshold=source_threshold, span_tokens=span_tokens)
     cal = score_items(engine, cal_items, judge, candidates=n_cand, transform=transform, progress=progress)
     held = score_items(engine, eval_items, judge, candidates=n_cand, transform=transform, progress=progress)
-    s_thres = threshold(cal.best_correct(), alpha)
+    best = cal.best_correct()
+    s_thres = threshold(best, alpha)
     record = Calibration(alpha=float(alpha), s_thres=s_thres, n=len(cal_items), score_transform=transform,
                          embedder=engine.embedder_name, reranker=engine.reranker_identity(), candidates=n_cand,
-                         answer_threshold=answer_threshold, source_threshold=source_threshold,
+                         answer_threshold=answer_threshold, source_threshold=source_threshold, span_tokens=span_tokens,
                          created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                         diagnostics=diagnose(held, s_thres, alpha), chunks=len(engine))
+                         diagnostics=diagnose(held, s_thres, alpha), chunks=len(engine),
+                         n_without_correct=int(np.isinf(best).sum()))
     return record, cal, held
 
 
@@ -184,11 +213,12 @@ def coverage_sweep(cal: ScoredItems, held: ScoredItems, alphas: Sequence[float])
     rows = []
     best = cal.best_correct()
     for a in alphas:
-        if len(best) < min_calibration_size(a):
+        if int(np.isfinite(best).sum()) < min_calibration_size(a):
             continue
         s = threshold(best, a)
         d = diagnose(held, s, a)
-        rows.append({"alpha": a, "target": 1 - a, "s_thres": s, "coverage": d.coverage, "m1": d.m1, "m2": d.m2,
+        rows.append({"alpha": a, "target": 1 - a, "s_thres": s, "coverage": d.coverage,
+                     "conditional_coverage": d.conditional_coverage, "m1": d.m1, "m2": d.m2,
                      "mean_trusted": d.mean_trusted, "holds": d.holds})
     return rows
 

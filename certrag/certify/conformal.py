@@ -8,13 +8,19 @@ the ROUGE-reporting papers use). The score is the (fused) reranker logit, or the
 runs: split conformal needs only one scalar per candidate on a fixed scale, is unchanged by any monotone transform,
 and raw logits cannot saturate the way a sigmoid of large logits does.
 
-The nonconformity score of an item is minus the score of its best correct candidate (+inf when no correct candidate
-was retrieved), and the threshold is the split-conformal quantile: with n items, the ceil((n+1)(1-alpha))-th
-smallest nonconformity score q, and s_thres = -q. On exchangeable data the candidates scoring at least s_thres then
-hold a correct one with probability at least 1 - alpha (Vovk et al. 2005; Angelopoulos & Bates 2021) -- but only
-among what the retriever surfaced: when it does not surface correct chunks, no threshold can reach 1 - alpha.
-The diagnostics say which case holds: m1 (fraction of questions with at least one trusted candidate), m2 (mean
-fraction of candidates trusted) and the empirical coverage on held-out items beside 1 - alpha.
+The nonconformity score of an item is minus the score of its best correct candidate, and the threshold is the
+split-conformal quantile over the calibration items whose candidates hold a correct one (how many were left out is
+recorded, n_without_correct): with n such items, the ceil((n+1)(1-alpha))-th smallest nonconformity score q, and
+s_thres = -q. On exchangeable data, for a question whose candidates hold a correct chunk, the candidates scoring at
+least s_thres hold one with probability at least 1 - alpha (Vovk et al. 2005; Angelopoulos & Bates 2021); the
+guarantee is conditional on the retriever surfacing one, and no threshold can do better than that. Leaving the
+misses out of the quantile is what lets the diagnostics see them (the certification paper's m1, which falls on its
+finqa / tatqa retrievers): counting them as +inf makes the quantile unbounded as soon as more than alpha of the
+items are misses, and an unbounded threshold trusts everything, so m1 = 1 whatever the retriever does. The
+diagnostics: m1 (fraction of held-out questions with at least one trusted candidate: with a scorer that scores
+unrelated chunks low, it falls toward the retriever's recall when the retriever fails), m2 (mean fraction of
+candidates trusted), coverage (a correct chunk among the trusted, over all held-out questions) and conditional
+coverage (over those whose candidates hold one: the guaranteed quantity), each beside 1 - alpha.
 
 This module holds the statistics and the records (Calibration, Diagnostics, Certification) and applies a stored
 calibration to one retrieval (certify); certrag.certify.calibration makes a calibration from items.
@@ -108,6 +114,7 @@ class Diagnostics:
     retrieval_recall: float | None
     holds: bool
     reasons: tuple[str, ...] = ()
+    conditional_coverage: float | None = None  # among held-out items whose candidates hold a correct chunk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +131,8 @@ class Calibration:
     created: str
     diagnostics: Diagnostics
     chunks: int | None = None  # the store's size when calibrated: a store that changed since wants recalibrating
+    span_tokens: int = 0  # answers of at most this many tokens must occur as a whole span (0: records before the rule)
+    n_without_correct: int = 0  # calibration items left out of the quantile: no correct chunk among the candidates
     format_version: int = FORMAT_VERSION
 
     @property
@@ -208,10 +217,15 @@ class ScoredItems:
 
 
 def threshold(best_correct: np.ndarray, alpha: float) -> float | None:
-    """s_thres from the best correct scores of n calibration items (-inf where none was correct); None if
-    unbounded."""
-    q = conformal_quantile(-np.asarray(best_correct, dtype=np.float64), alpha)
-    return None if math.isinf(q) else -q
+    """s_thres from the best correct scores of calibration items (-inf where no candidate was correct): the
+    split-conformal quantile over the items that have a correct candidate (the misses are left out, see the module
+    docstring). None when too few items have one for alpha (the calibration then records that the guarantee does
+    not hold)."""
+    best = np.asarray(best_correct, dtype=np.float64)
+    found = best[np.isfinite(best)]
+    if found.size < min_calibration_size(alpha):
+        return None
+    return -conformal_quantile(-found, alpha)
 
 
 def diagnose(scored: ScoredItems, s_thres: float | None, alpha: float) -> Diagnostics:
@@ -221,14 +235,18 @@ def diagnose(scored: ScoredItems, s_thres: float | None, alpha: float) -> Diagno
     n = len(scored.scores)
     reasons = []
     if s_thres is None:
-        reasons.append("the calibration quantile is unbounded: on calibration items the retriever does not surface "
-                       f"a correct chunk often enough to reach 1 - alpha = {1 - alpha:.2f}")
+        reasons.append(f"no threshold: too few calibration items have a correct chunk among their candidates for "
+                       f"alpha = {alpha} (it needs {min_calibration_size(alpha)}): the retriever does not surface "
+                       "correct chunks")
     if n == 0:
         reasons.append("no held-out items to check coverage on")
         return Diagnostics(n_eval=0, coverage=None, m1=None, m2=None, mean_trusted=None, retrieval_recall=None,
                            holds=False, reasons=tuple(reasons))
     trusted = [np.ones(len(s), bool) if s_thres is None else s >= s_thres for s in scored.scores]
-    coverage = float(np.mean([(t & c).any() for t, c in zip(trusted, scored.correct)]))
+    covered = [(t & c).any() for t, c in zip(trusted, scored.correct)]
+    coverage = float(np.mean(covered))
+    found = [cov for cov, c in zip(covered, scored.correct) if c.any()]
+    conditional = float(np.mean(found)) if found else None
     m1 = float(np.mean([t.any() for t in trusted]))
     m2 = float(np.mean([t.mean() if len(t) else 0.0 for t in trusted]))
     mean_trusted = float(np.mean([t.sum() for t in trusted]))
@@ -240,9 +258,11 @@ def diagnose(scored: ScoredItems, s_thres: float | None, alpha: float) -> Diagno
                        + (f"; the retriever surfaces a correct chunk for only {recall:.3f} of questions"
                           if recall < 1 - alpha else ""))
     if m1 < 1 - alpha - slack:
-        reasons.append(f"m1 = {m1:.3f}: too few questions have any trusted chunk")
+        reasons.append(f"m1 = {m1:.3f}: too few questions have any trusted chunk (the retriever surfaces a chunk "
+                       "that scores like a correct one for only that fraction)")
     return Diagnostics(n_eval=n, coverage=coverage, m1=m1, m2=m2, mean_trusted=mean_trusted,
-                       retrieval_recall=recall, holds=not reasons, reasons=tuple(reasons))
+                       retrieval_recall=recall, holds=not reasons, reasons=tuple(reasons),
+                       conditional_coverage=conditional)
 
 
 
