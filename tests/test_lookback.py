@@ -218,3 +218,29 @@ def test_classifier_round_trip_and_fit(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="cannot load"):
         FactualityClassifier.load(tmp_path / "bad.json")
+
+
+def test_engine_answers_for_the_classifier_carry_the_fused_score(tmp_path, smollm):
+    """collect_engine answers from the engine's own selection; its reranker baseline is the best *fused* score of
+    the selected passages (what the engine ranks by), and the combined features append the mean log-probability."""
+    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import QAItem
+    from certrag.engine import Engine
+    from certrag.rerank import CrossEncoderReranker
+    from certrag.train.factuality import collect_engine, combined_features
+
+    rows = wiki_leads()[:20]
+    docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in rows]
+    items = [QAItem(question=f"What is {t}?", answers=(t,), title=t, passage=x)
+             for t, x, _ in rows[:2]]
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=4, rerank=True))
+    with Engine.build(docs, tmp_path / "s", config, reranker=CrossEncoderReranker.default(), progress=False) as e:
+        data = collect_engine(e, smollm, items, max_new_tokens=6, progress=False)
+        for i, it in enumerate(items):
+            r = e.retrieve(it.question)
+            assert data["top_rerank"][i] == pytest.approx(float(r.rerank_scores[: r.selected].max()), abs=1e-4)
+            assert data["with_gold"][i] == int(it.gold_text in r.selected_texts)
+    x = combined_features(data)
+    assert x.shape == (2, data["chunks"].shape[1] + 1)
+    np.testing.assert_array_equal(x[:, -1], data["mean_logprob"])

@@ -3,8 +3,10 @@
 Training data (`certrag train-factuality`): answers that a local model generates to NQ-open *train* questions
 (certrag.data.nq), each from k passages of which the gold passage is one for half the questions (chosen by a stable
 hash) and the others are the gold passages of other NQ questions most similar to the question (MiniLM): hard
-distractors. Label rule: 1 when a gold answer, DPR-normalised, occurs in the normalised answer ("gold string
-contained"; certrag.eval.metrics.answer_in_text), else 0. Classifier: standardisation and L2-regularised logistic
+distractors; and, with an engine, the model's answers from the engine's own retrieval (collect_engine: the
+reranked, selected passages the engine would send), the distribution the classifier meets at run time. Label rule:
+1 when a gold answer, DPR-normalised, occurs in the normalised answer ("gold string contained";
+certrag.eval.metrics.answer_in_text), else 0. Classifier: standardisation and L2-regularised logistic
 regression, C chosen by stratified cross-validated AUROC (scikit-learn).
 """
 
@@ -84,37 +86,69 @@ def nq_passage_sets(items, k: int = 3, seed: int = 0) -> list[tuple[list[str], b
 
 def collect(llm, items, *, k: int = 3, max_new_tokens: int = 24, reranker=None, progress: bool = True) -> dict:
     """Generates an answer per item with lookback recording; returns arrays: chunks, full (n, layers*heads),
-    mean_logprob, top_rerank (n,), label, with_gold (n,), and the predictions."""
+    mean_logprob, top_rerank (n,: the best *fused* reranker score of the passages, the score the engine ranks by),
+    label, with_gold (n,), and the predictions."""
+    from certrag.embed import Embedder, EmbeddingCache
+    from certrag.home import certrag_home
+
+    sets = nq_passage_sets(items, k=k)
+    embedder = (Embedder(cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+                if reranker is not None else None)
+
+    def top_score(question: str, passages: list[str]) -> float:
+        if reranker is None:
+            return float("nan")
+        q, p = embedder.embed([question]), embedder.embed(passages)
+        return float(reranker.score(question, passages, (p @ q[0]).astype(np.float32)).max())
+
+    return _answer_all(llm, [(it, passages, int(with_gold), top_score(it.question, passages))
+                             for it, (passages, with_gold) in zip(items, sets)], max_new_tokens, progress)
+
+
+def collect_engine(engine, llm, items, *, max_new_tokens: int = 24, progress: bool = True) -> dict:
+    """As collect, over the engine's own retrieval: each question answered from the passages the engine selects
+    (reranked, gradient-cut), top_rerank their best fused score; with_gold says whether the gold passage is among
+    them."""
+    rows = []
+    for it, r in zip(items, engine.retrieve_batch([it.question for it in items])):
+        passages = list(r.selected_texts)
+        with_gold = int(any(t.strip() == it.gold_text.strip() for t in passages))
+        top = float(np.nanmax(r.rerank_scores[: r.selected])) if not np.isnan(r.rerank_scores).all() else math.nan
+        rows.append((it, passages, with_gold, top))
+    return _answer_all(llm, rows, max_new_tokens, progress)
+
+
+def _answer_all(llm, rows, max_new_tokens: int, progress: bool) -> dict:
     from tqdm.auto import tqdm
 
     from certrag.eval.metrics import answer_in_text
     from certrag.llm.prompts import Passage, plain_messages
 
-    sets = nq_passage_sets(items, k=k)
-    rows = {"chunks": [], "full": [], "mean_logprob": [], "top_rerank": [], "label": [], "with_gold": [],
-            "steps": []}
+    out = {"chunks": [], "full": [], "mean_logprob": [], "top_rerank": [], "label": [], "with_gold": [], "steps": []}
     predictions = []
     started = time.perf_counter()
-    for it, (passages, with_gold) in tqdm(list(zip(items, sets)), desc="answering", disable=not progress):
+    for it, passages, with_gold, top in tqdm(rows, desc="answering", disable=not progress):
         g = llm.generate(plain_messages(it.question, [Passage(p) for p in passages]),
                          max_new_tokens=max_new_tokens, record_lookback=True)
         f = g.lookback
-        rows["chunks"].append(f.vector("chunks"))
-        rows["full"].append(f.vector("full"))
-        rows["mean_logprob"].append(g.mean_logprob)
-        rows["steps"].append(f.steps)
-        rows["label"].append(int(answer_in_text(g.text, it.answers)))
-        rows["with_gold"].append(int(with_gold))
-        if reranker is not None:
-            rows["top_rerank"].append(float(reranker.cross_scores([it.question] * len(passages), passages).max()))
-        else:
-            rows["top_rerank"].append(float("nan"))
+        out["chunks"].append(f.vector("chunks"))
+        out["full"].append(f.vector("full"))
+        out["mean_logprob"].append(g.mean_logprob)
+        out["steps"].append(f.steps)
+        out["label"].append(int(answer_in_text(g.text, it.answers)))
+        out["with_gold"].append(with_gold)
+        out["top_rerank"].append(top)
         predictions.append(g.text)
-    out = {key: np.asarray(v, dtype=np.float32 if key in ("chunks", "full", "mean_logprob", "top_rerank")
-                            else np.int64) for key, v in rows.items()}
-    out["seconds"] = time.perf_counter() - started
-    out["predictions"] = predictions
-    return out
+    data = {key: np.asarray(v, dtype=np.float32 if key in ("chunks", "full", "mean_logprob", "top_rerank")
+                            else np.int64) for key, v in out.items()}
+    data["seconds"] = time.perf_counter() - started
+    data["predictions"] = predictions
+    return data
+
+
+def combined_features(data: dict, kind: str = "chunks") -> np.ndarray:
+    """Lookback ratios with the answer's mean token log-probability appended as one more feature."""
+    return np.concatenate([data[kind], data["mean_logprob"][:, None]], axis=1)
 
 
 def save_examples(path: str | Path, data: dict, meta: dict) -> None:
