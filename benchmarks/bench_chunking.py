@@ -10,8 +10,8 @@ Each chunker splits every document; chunks are embedded with the bundled MiniLM 
 this measures the chunks, not the index). An answer-bearing chunk: from the question's document, overlapping its gold
 passage, and holding a gold answer string. Reported per chunker: the chunk count and mean size, recall@k (k = 1, 3,
 5 chunks) and recall at equal context tokens (the ranked chunks taken until a budget of 128 / 256 / 512 tokens,
-the last chunk cut to fit, so every chunker sends the same number of tokens), and, with --answer-questions, EM / F1 of the bundled reader (plain) from the 256-token
-context.
+the last chunk cut to fit, so every chunker sends the same number of tokens), and, with --answer-questions, EM / F1
+of the bundled reader (plain) from the 256-token context.
 
 Chunkers: SAGE (default sizes 24-256 tokens; also without paragraph breaks as hard cuts, and at 64-512), fixed-size
 (128, 256 tokens), fixed-size with sentence completion (128, 256), percentile breakpoints (95th).
