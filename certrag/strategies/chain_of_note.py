@@ -66,9 +66,11 @@ _WORD = re.compile(r"[a-z0-9]+")
 
 
 def _content(text: str) -> set[str]:
-    from certrag.eval.metrics import normalize_answer
+    """Content words: lower-cased, accents stripped, alphanumeric runs, without stop words and short words."""
+    import unicodedata
 
-    return {w for w in _WORD.findall(normalize_answer(text)) if w not in _STOP and (len(w) > 2 or w.isdigit())}
+    plain = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+    return {w for w in _WORD.findall(plain) if w not in _STOP and (len(w) > 2 or w.isdigit())}
 
 
 def check_note(kind: str, note: str, passage: str, question: str) -> str:
@@ -81,7 +83,8 @@ def check_note(kind: str, note: str, passage: str, question: str) -> str:
       is demoted: to CONTEXT if the passage shares words with the question, else to IRRELEVANT.
     - CONTEXT stands when the passage shares at least a quarter of the question's content words (at least one);
       otherwise it is IRRELEVANT.
-    Words are DPR-normalised, without stop words; a malformed or irrelevant note is returned as it is."""
+    Words are lower-cased alphanumeric runs without stop words; a malformed or irrelevant note is returned as it
+    is."""
     if kind not in ("answers", "context"):
         return kind
     q, p = _content(question), _content(passage)
