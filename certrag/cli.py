@@ -395,6 +395,11 @@ def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], n
                 except ValueError as exc:
                     raise click.ClickException(str(exc)) from None
     click.echo(markdown([r["summary"] for r in reports]))
+    for r in reports:
+        if r["summary"].get("skipped"):
+            s = r["summary"]
+            click.echo(f"{s['strategy']} at noise {s['noise_ratio']}: {s['skipped']} questions skipped (too few "
+                       f"relevant passages or hard negatives for exactly {k} passages)")
     if out:
         write_report(out, reports)
 
