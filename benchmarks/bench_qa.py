@@ -43,13 +43,14 @@ CONDITIONS = [("plain", "plain", None), ("chain_of_note", "chain_of_note", None)
 K = 5
 
 
-def _shard_path(args, shard: int) -> Path:
+def _shard_path(args, shard: int, reverse: bool = False) -> Path:
     return _common.DATA_DIR / (f"bench_qa2-{args.model}-{args.dtype}-{args.questions}q-{args.noise_questions}n-"
-                               f"{args.scan}s-shard{shard}of{args.workers}.jsonl")
+                               f"{args.scan}s-shard{shard}of{args.workers}{'-rev' if reverse else ''}.jsonl")
 
 
 def _records(args) -> list[dict]:
-    paths = [_shard_path(args, i) for i in range(args.workers)]
+    """Every row so far: the shards' files and those of helpers working a shard from its end (--reverse)."""
+    paths = [_shard_path(args, i, rev) for i in range(args.workers) for rev in (False, True)]
     return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
 
 
@@ -64,7 +65,7 @@ def _wanted(qi: int, noise, args) -> bool:
 def worker(args) -> None:
     """Question-major: every condition of a question before the next, each row (or a skip) appended to the shard's
     file as it is done, so a run cut short leaves complete, paired questions; --resume continues it."""
-    _common.pin_threads(1, offset=args.shard)  # one core per worker
+    _common.pin_threads(1, offset=args.shard + args.reverse)  # one core per worker (a helper: the next one)
     from _nq import cached_embedder, nq_store
 
     from certrag.data.nq import load_nq_open
@@ -77,10 +78,14 @@ def worker(args) -> None:
     conditions = CONDITIONS[: args.conditions]
     last = max(args.questions, args.noise_questions, args.scan)
     indexed = list(enumerate(load_nq_open(split="test")[:last]))[args.shard::args.workers]
-    path = _shard_path(args, args.shard)
-    done = {(r["q"], r["condition"]) for r in _records(args)} if args.resume else set()
+    if args.reverse:  # a helper on a free core, taking a slow shard's questions from its end
+        indexed = indexed[::-1]
+    path = _shard_path(args, args.shard, args.reverse)
+    done = {(r["q"], r["condition"]) for r in _records(args)} if args.resume or args.reverse else set()
     with path.open("a") as out:
         for qi, item in indexed:
+            if args.reverse:  # stop where the shard's own worker has got to
+                done |= {(r["q"], r["condition"]) for r in _records(args)}
             retrievals = {}  # the noise conditions of one question share its retrievals
             for c, (label, strategy, noise) in enumerate(conditions):
                 if (qi, c) in done or not _wanted(qi, noise, args):
@@ -126,6 +131,7 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true", help="summarise the shard files as they are")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reverse", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.shard is not None:
         worker(args)
