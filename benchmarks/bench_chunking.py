@@ -92,6 +92,8 @@ def main() -> None:
     from _nq import cached_embedder
     from certrag.data.nq import load_nq_open
     from certrag.eval.metrics import answer_in_text, exact_match, f1_score
+    from certrag.llm.prompts import Passage
+    from certrag.strategies import Plain
 
     embedder = cached_embedder()
     items = load_nq_open(split="test")[: args.questions]
@@ -136,9 +138,6 @@ def main() -> None:
                     and answer_in_text(piece, it.answers) for i, piece in context))
                 used[b].append(b - max(left, 0))
                 if b == 256 and llm is not None and qi < args.answer_questions:
-                    from certrag.llm.prompts import Passage
-                    from certrag.strategies import Plain
-
                     res = Plain().run(it.question, [Passage(piece) for _, piece in context], llm)
                     em = 0.0 if res.rejected else exact_match(res.text, it.answers)
                     f1 = 0.0 if res.rejected else f1_score(res.text, it.answers)

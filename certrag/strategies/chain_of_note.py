@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -67,8 +68,6 @@ _WORD = re.compile(r"[a-z0-9]+")
 
 def _content(text: str) -> set[str]:
     """Content words: lower-cased, accents stripped, alphanumeric runs, without stop words and short words."""
-    import unicodedata
-
     plain = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
     return {w for w in _WORD.findall(plain) if w not in _STOP and (len(w) > 2 or w.isdigit())}
 
