@@ -44,11 +44,14 @@ def __dir__() -> list[str]:
 
 
 def info() -> dict:
-    """What this build is: version, compiler, SIMD levels compiled in and active, threading, index format."""
+    """What this build is: version, compiler, SIMD levels compiled in and active, threading, index format, and how
+    the encoders run here (the backend "auto" resolves to on this CPU, and why)."""
     from certrag import _core
+    from certrag.backends import cpu_features, resolve
 
     build = dict(_core.build_info())
-    return {"version": __version__, **build}
+    return {"version": __version__, **build, "encoder_backend": resolve("auto").as_dict(),
+            "encoder_cpu_features": sorted(cpu_features())}
 
 
 __all__ = sorted([*_LAZY, "HnswIndex", "IndexFormatError", "IndexIOError", "SearchResult", "info", "__version__"])

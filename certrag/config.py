@@ -43,11 +43,15 @@ class IndexConfig:
 class RetrievalConfig:
     """candidates: how many chunks the index returns per question (N); rerank: score them with the cross-encoder
     (whose fusion with the dense score, ce + w * cos, is part of the trained reranker: its card holds w);
-    rerank_batch: (question, passage) pairs per cross-encoder forward pass."""
+    rerank_batch: (question, passage) pairs per cross-encoder forward pass (length-sorted, each batch padded to its
+    own longest pair); adaptive_rerank: skip the cross-encoder for a question whose dense ranking is already
+    decisive (the reranker card's skip_rule, fitted on the train split; the trace says whether a question was
+    reranked, and a skipped question is ranked and cut on its cosines)."""
 
     candidates: int = 20
     rerank: bool = True
-    rerank_batch: int = 32
+    rerank_batch: int = 8
+    adaptive_rerank: bool = False
 
     def __post_init__(self) -> None:
         if self.candidates < 1:
@@ -98,6 +102,9 @@ class EngineConfig:
     chunker: str = "sage"  # a name in certrag.segment.CHUNKERS: sage | fixed | fixed_sentence | semantic_percentile
     segmenter: SegmenterConfig = field(default_factory=SegmenterConfig)
     embedder: str = "sentence-transformers/all-MiniLM-L6-v2"
+    # how the bundled encoders run: auto | float32 | bfloat16 | int8 (certrag.backends; falls back where the CPU
+    # cannot run the choice natively)
+    encoder_backend: str = "auto"
     index: IndexConfig = field(default_factory=IndexConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
@@ -105,6 +112,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.chunker not in CHUNKERS:
             raise ValueError(f"chunker must be one of {', '.join(CHUNKERS)}; got {self.chunker!r}")
+        from certrag.backends import check_backend
+
+        check_backend(self.encoder_backend, "encoder_backend")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -7,12 +7,17 @@ Embeddings are mean-pooled over non-padding tokens and L2-normalised, as the mod
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import threading
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -38,13 +43,20 @@ def _import_torch():
 class EmbeddingCache:
     """Embeddings keyed by the SHA-256 of (model name, text), kept in one safetensors file (keys: uint8 (n, 32),
     vectors: float32 (n, dim)) so that rebuilding a store or rerunning a benchmark re-embeds nothing it has seen.
-    Not shared between processes: the last writer wins (each write is atomic)."""
+    Not shared between processes: the last writer wins (each write is atomic).
+
+    save() rewrites the file, so the embedder calls maybe_save(), which writes only once the unsaved entries are a
+    quarter of the saved ones (or more than `flush_every`): the total written stays linear in the cache's size
+    however many small calls fill it. Call save() (or use the cache as a context manager) when done."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._index: dict[bytes, int] = {}
         self._vectors: list[np.ndarray] = []
         self._dirty = False
+        self._unsaved = 0
+        self._saved = 0
+        atexit.register(self._save_at_exit)
         if self.path.exists():
             from safetensors.numpy import load_file
 
@@ -52,6 +64,7 @@ class EmbeddingCache:
             for i, key in enumerate(data["keys"]):
                 self._index[key.tobytes()] = i
             self._vectors = list(data["vectors"])
+            self._saved = len(self._vectors)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -71,6 +84,24 @@ class EmbeddingCache:
             self._index[key] = len(self._vectors)
             self._vectors.append(np.asarray(vector, dtype=np.float32))
             self._dirty = True
+            self._unsaved += 1
+
+    def maybe_save(self, flush_every: int = 50_000) -> None:
+        """save() when the unsaved entries reach a quarter of the saved ones, or flush_every."""
+        if self._dirty and (self._unsaved * 4 >= self._saved or self._unsaved >= flush_every):
+            self.save()
+
+    def _save_at_exit(self) -> None:
+        try:
+            self.save()
+        except Exception as exc:  # pragma: no cover - a full disk at exit: say so, lose only the cache
+            log.warning("could not save the embedding cache %s: %s", self.path, exc)
+
+    def __enter__(self) -> "EmbeddingCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.save()
 
     def save(self) -> None:
         if not self._dirty:
@@ -87,21 +118,33 @@ class EmbeddingCache:
         self._index = {k: i for i, k in enumerate(self._index)}
         self._vectors = list(vectors)
         self._dirty = False
+        self._unsaved = 0
+        self._saved = len(self._vectors)
 
 
 class Embedder:
     """Batched, normalised sentence embeddings from a BERT-style encoder with mean pooling.
 
-    Thread-safe: calls are serialised by a lock (torch parallelises each batch itself).
+    backend: auto | float32 | bfloat16 | int8 (certrag.backends; auto picks bfloat16 on CPUs with native bfloat16,
+    else float32; an unsupported choice falls back to float32 and says why in ``self.backend``). Each call embeds
+    every distinct string once, and the last ``memo_size`` distinct texts are remembered in memory (a chunk that is
+    one sentence reuses the sentence's vector; repeated boilerplate and repeated questions are embedded once).
+
+    Thread-safe: the forward passes are serialised by a lock (torch parallelises each batch itself).
     """
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, name: str = DEFAULT_MODEL,
                  batch_size: int = 64, max_length: int = 256, num_threads: int | None = None,
-                 cache: EmbeddingCache | None = None) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1; got {batch_size}")
+                 cache: EmbeddingCache | None = None, backend: str = "auto", memo_size: int = 16384) -> None:
+        from certrag.backends import check_backend, prepare, resolve
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1; got {batch_size!r}")
         if max_length < 8:
             raise ValueError(f"max_length must be at least 8; got {max_length}")
+        if isinstance(memo_size, bool) or not isinstance(memo_size, int) or memo_size < 0:
+            raise ValueError(f"memo_size must be a non-negative integer; got {memo_size!r}")
+        check_backend(backend)
         torch = _import_torch()
         from tokenizers import Tokenizer
         from transformers import AutoModel
@@ -115,22 +158,30 @@ class Embedder:
         self.max_length = max_length
         self.num_threads = num_threads
         self.cache = cache
+        self.backend = resolve(backend)
+        self.memo_size = memo_size
+        self._memo: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._memo_lock = threading.Lock()
         self._torch = torch
         self._lock = threading.Lock()
-        self._model = AutoModel.from_pretrained(str(self.model_dir), local_files_only=True).eval()
+        model = AutoModel.from_pretrained(str(self.model_dir), local_files_only=True, dtype=torch.float32)
+        self._model = prepare(model, self.backend.backend)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length)
+        self._tokenizer.no_padding()  # each length-sorted batch is padded to its own longest row (backends.padded)
         self._counter = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._counter.no_truncation()
         self._counter.no_padding()
         pad_id = self._tokenizer.token_to_id("[PAD]")
-        self._tokenizer.enable_padding(pad_id=0 if pad_id is None else pad_id, pad_token="[PAD]")
-        self.dim = int(self._model.config.hidden_size)
+        self._pad_id = 0 if pad_id is None else pad_id
+        self.dim = int(model.config.hidden_size)
 
     @classmethod
-    def default(cls) -> "Embedder":
-        """The bundled MiniLM embedder, loaded once per process."""
-        return _default_embedder()
+    def default(cls, backend: str = "auto") -> "Embedder":
+        """The bundled MiniLM embedder, loaded once per process and backend."""
+        from certrag.backends import check_backend
+
+        return _default_embedder(check_backend(backend))
 
     def count_tokens(self, texts: list[str]) -> np.ndarray:
         """Word-piece tokens per text, without special tokens and without truncation."""
@@ -150,51 +201,69 @@ class Embedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         if not texts:
             return out
-        if self.cache is not None:
-            keys = [EmbeddingCache.key(self.name, t) for t in texts]
-            missing = []
-            for i, k in enumerate(keys):
-                v = self.cache.get(k)
-                if v is None:
-                    missing.append(i)
-                else:
-                    out[i] = v
-            if missing:
-                fresh = self._embed_uncached([texts[i] for i in missing])
-                out[missing] = fresh
-                for i, v in zip(missing, fresh):
-                    self.cache.put(keys[i], v)
-                self.cache.save()
-            return out
-        return self._embed_uncached(texts)
+        distinct = list(dict.fromkeys(texts))
+        found: dict[str, np.ndarray] = {}
+        if self.memo_size:
+            with self._memo_lock:
+                for t in distinct:
+                    v = self._memo.get(t)
+                    if v is not None:
+                        self._memo.move_to_end(t)
+                        found[t] = v
+        missing = [t for t in distinct if t not in found]
+        if missing and self.cache is not None:
+            # float32 vectors keep their old keys; another backend's vectors are kept apart from them
+            cache_name = self.name if self.backend.backend == "float32" else f"{self.name}@{self.backend.backend}"
+            keys = {t: EmbeddingCache.key(cache_name, t) for t in missing}
+            for t in missing:
+                v = self.cache.get(keys[t])
+                if v is not None:
+                    found[t] = v
+            fresh_texts = [t for t in missing if t not in found]
+            if fresh_texts:
+                fresh = self._embed_uncached(fresh_texts)
+                for t, v in zip(fresh_texts, fresh):
+                    found[t] = v
+                    self.cache.put(keys[t], v)
+                self.cache.maybe_save()
+        elif missing:
+            for t, v in zip(missing, self._embed_uncached(missing)):
+                found[t] = v
+        if self.memo_size and missing:
+            with self._memo_lock:
+                for t in missing:
+                    self._memo[t] = found[t]
+                while len(self._memo) > self.memo_size:
+                    self._memo.popitem(last=False)
+        for i, t in enumerate(texts):
+            out[i] = found[t]
+        return out
 
     def _embed_uncached(self, texts: list[str]) -> np.ndarray:
+        from certrag.backends import length_batches, padded
+
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         torch = self._torch
-        # Sorting by length keeps padding (wasted work) low inside each batch.
-        order = np.argsort([len(t) for t in texts], kind="stable")
+        enc = self._tokenizer.encode_batch(texts)
         with self._lock, torch.inference_mode():
             previous = torch.get_num_threads()
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
             try:
-                for start in range(0, len(texts), self.batch_size):
-                    idx = order[start:start + self.batch_size]
-                    enc = self._tokenizer.encode_batch([texts[i] for i in idx])
-                    ids = torch.tensor([e.ids for e in enc], dtype=torch.long)
-                    mask = torch.tensor([e.attention_mask for e in enc], dtype=torch.long)
-                    types = torch.zeros_like(ids)
-                    hidden = self._model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
-                    m = mask.unsqueeze(-1).to(hidden.dtype)
+                for rows in length_batches([len(e.ids) for e in enc], self.batch_size):
+                    feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, self._pad_id).items()}
+                    feed["token_type_ids"].zero_()
+                    hidden = self._model(**feed).last_hidden_state.float()
+                    m = feed["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                     pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
                     pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-                    out[idx] = pooled.float().numpy()
+                    out[rows] = pooled.numpy()
             finally:
                 if self.num_threads:
                     torch.set_num_threads(previous)
         return out
 
 
-@lru_cache(maxsize=1)
-def _default_embedder() -> Embedder:
-    return Embedder()
+@lru_cache(maxsize=4)
+def _default_embedder(backend: str = "auto") -> Embedder:
+    return Embedder(backend=backend)

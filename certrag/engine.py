@@ -40,6 +40,11 @@ class BuildReport:
     seconds: float
 
 
+def _backend_of(model) -> dict | None:
+    backend = getattr(model, "backend", None)
+    return backend.as_dict() if hasattr(backend, "as_dict") else None
+
+
 class Engine:
     """Open with Engine.build(...) or Engine.open(...); use as a context manager or call close()."""
 
@@ -134,7 +139,7 @@ class Engine:
 
         if config.embedder != DEFAULT_MODEL:
             raise ValueError(f"embedder {config.embedder!r} is not bundled; pass an Embedder instance")
-        return Embedder.default()
+        return Embedder.default(config.encoder_backend)
 
     @staticmethod
     def _resolve_reranker(config: EngineConfig, reranker):
@@ -144,7 +149,7 @@ class Engine:
             return reranker
         from certrag.rerank import CrossEncoderReranker
 
-        return CrossEncoderReranker.default()
+        return CrossEncoderReranker.default(config.encoder_backend)
 
     @staticmethod
     def _models(embedder, reranker) -> dict:
@@ -193,22 +198,31 @@ class Engine:
         docs = [d for d in docs if d.text.strip()]
         new_chunks, new_docs = [], {}
         next_id = data.next_chunk_id
-        for doc in tqdm(docs, desc="segmenting", unit="doc", disable=not progress or len(docs) < 2):
-            ids = []
-            for c in self.chunker.split(doc.text):
-                new_chunks.append({"id": next_id, "doc_id": doc.id, "start": c.start, "end": c.end,
-                                   "n_tokens": c.n_tokens, "text": c.text})
-                ids.append(next_id)
-                next_id += 1
-            new_docs[doc.id] = {"metadata": doc.metadata, "chunk_ids": ids, "characters": len(doc.text)}
-        texts = [c["text"] for c in new_chunks]
-        vectors = np.zeros((0, self._embedder.dim), np.float32)
-        if texts:
-            batch = 512
-            parts = [self._embedder.embed(texts[i:i + batch])
-                     for i in tqdm(range(0, len(texts), batch), desc="embedding", unit="batch",
-                                   disable=not progress or len(texts) <= batch)]
-            vectors = np.concatenate(parts)
+        parts = []
+        # Documents go through in groups: the segmenter embeds a group's sentences in one batched call, and the
+        # group's chunks are embedded right after, while the embedder still remembers those sentences (a chunk
+        # that is one sentence is not embedded twice).
+        group = 64
+        split_many = getattr(self.chunker, "split_many", None)
+        with tqdm(total=len(docs), desc="indexing", unit="doc", disable=not progress or len(docs) < 2) as bar:
+            for g in range(0, len(docs), group):
+                batch = docs[g:g + group]
+                pieces = split_many([d.text for d in batch]) if split_many else \
+                    [self.chunker.split(d.text) for d in batch]
+                texts = []
+                for doc, chunks in zip(batch, pieces):
+                    ids = []
+                    for c in chunks:
+                        new_chunks.append({"id": next_id, "doc_id": doc.id, "start": c.start, "end": c.end,
+                                           "n_tokens": c.n_tokens, "text": c.text})
+                        texts.append(c.text)
+                        ids.append(next_id)
+                        next_id += 1
+                    new_docs[doc.id] = {"metadata": doc.metadata, "chunk_ids": ids, "characters": len(doc.text)}
+                if texts:
+                    parts.append(self._embedder.embed(texts))
+                bar.update(len(batch))
+        vectors = np.concatenate(parts) if parts else np.zeros((0, self._embedder.dim), np.float32)
         ids = np.array([c["id"] for c in new_chunks], dtype=np.int64)
         if len(ids):
             data.index.add(vectors, ids)
@@ -286,6 +300,7 @@ class Engine:
         return {"path": str(self.path), "format_version": m.get("format_version"), "written": m.get("written"),
                 "documents": len(self._data.documents), "chunks": len(self._data.chunks),
                 "models": self._data.models, "config": self.config.to_dict(),
+                "encoders": {"embedder": _backend_of(self._embedder), "reranker": _backend_of(self._reranker)},
                 "index": {k: v for k, v in self._data.index.stats().items() if k != "nodes_per_level"},
                 "calibration": self._calibration_summary()}
 
@@ -418,7 +433,7 @@ class Engine:
         return self.factuality
 
     def retrieve(self, question: str, *, candidates: int | None = None, selector=None,
-                 rerank: bool | None = None) -> Retrieval:
+                 rerank: bool | str | None = None) -> Retrieval:
         """Embeds, searches, reranks and selects for one question (a non-empty string); see retrieve_batch."""
         if not isinstance(question, str):
             raise ValueError(f"question must be a string; got {type(question).__name__} (for several questions "
@@ -428,7 +443,7 @@ class Engine:
         return self.retrieve_batch([question], candidates=candidates, selector=selector, rerank=rerank)[0]
 
     def retrieve_batch(self, questions: Sequence[str], *, candidates: int | None = None, selector=None,
-                       rerank: bool | None = None) -> list[Retrieval]:
+                       rerank: bool | str | None = None) -> list[Retrieval]:
         """One Retrieval per question, embedded and searched as one batch.
 
         candidates overrides config.retrieval.candidates (N); selector overrides the configured selector; rerank=False

@@ -6,6 +6,11 @@ ce is a BERT cross-encoder over "[CLS] q [SEP] p [SEP]" with one output logit, s
 weights and trained by certrag (``certrag train-reranker``) with its output layer at zero and dense_weight learned,
 so that training starts from the bi-encoder's own ranking and can only move away from it where the data says so.
 The weights ship in the package as half-precision safetensors with a card (data, steps, held-out metrics).
+
+backend (certrag.backends): auto | float32 | bfloat16 | int8; the pairs of a call are scored in length-sorted
+batches, each padded only to its own longest pair. The card may hold a skip rule for adaptive reranking
+(``skip_rule``: rerank only when the dense ranking's top-1 lead is below a gap fitted on the train split; see
+certrag.train.skip_rule).
 """
 
 from __future__ import annotations
@@ -23,8 +28,13 @@ PACKAGE_RERANKER = Path(__file__).resolve().parent / "reranker"
 
 class CrossEncoderReranker:
     def __init__(self, model_dir: str | os.PathLike = PACKAGE_RERANKER, *, max_length: int = 256,
-                 batch_size: int = 32) -> None:
+                 batch_size: int = 8, backend: str = "auto") -> None:
+        from certrag.backends import check_backend, prepare, resolve
         from certrag.embed import _import_torch
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
+        check_backend(backend)
 
         torch = _import_torch()
         from tokenizers import Tokenizer
@@ -40,11 +50,13 @@ class CrossEncoderReranker:
         self.dense_weight = float(self.card.get("dense_weight", 0.0))
         self.name = self.card.get("name", str(self.model_dir))
         config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
-        self._model = AutoModelForSequenceClassification.from_pretrained(
-            str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32).eval()
+        self.skip_rule = self.card.get("skip_rule")
+        self.backend = resolve(backend)
+        self._model = prepare(AutoModelForSequenceClassification.from_pretrained(
+            str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32), self.backend.backend)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length, strategy="only_second")
-        self._tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+        self._tokenizer.no_padding()  # each length-sorted batch is padded to its own longest pair
         self._torch = torch
         self.batch_size = batch_size
         self._lock = threading.Lock()
@@ -64,8 +76,11 @@ class CrossEncoderReranker:
         return self._identity
 
     @classmethod
-    def default(cls) -> "CrossEncoderReranker":
-        return _default_reranker()
+    def default(cls, backend: str = "auto") -> "CrossEncoderReranker":
+        """The reranker shipped in the package, loaded once per process and backend."""
+        from certrag.backends import check_backend
+
+        return _default_reranker(check_backend(backend))
 
     def cross_scores(self, questions: list[str], passages: list[str], *, batch_size: int | None = None
                      ) -> np.ndarray:
@@ -77,16 +92,16 @@ class CrossEncoderReranker:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch_size must be a positive integer; got {batch!r}")
         out = np.zeros(len(passages), dtype=np.float32)
+        if not passages:
+            return out
+        from certrag.backends import length_batches, padded
+
         torch = self._torch
+        enc = self._tokenizer.encode_batch(list(zip(questions, passages)))
         with self._lock, torch.inference_mode():
-            for start in range(0, len(passages), batch):
-                enc = self._tokenizer.encode_batch(
-                    list(zip(questions[start:start + batch], passages[start:start + batch])))
-                ids = torch.tensor([e.ids for e in enc])
-                mask = torch.tensor([e.attention_mask for e in enc])
-                types = torch.tensor([e.type_ids for e in enc])
-                logits = self._model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
-                out[start:start + len(enc)] = logits[:, 0].float().numpy()
+            for rows in length_batches([len(e.ids) for e in enc], batch):
+                feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows).items()}
+                out[rows] = self._model(**feed).logits[:, 0].float().numpy()
         return out
 
     def score(self, question: str, passages: list[str], dense_scores: np.ndarray, *,
@@ -101,6 +116,6 @@ class CrossEncoderReranker:
                 + self.dense_weight * dense)
 
 
-@lru_cache(maxsize=1)
-def _default_reranker() -> CrossEncoderReranker:
-    return CrossEncoderReranker()
+@lru_cache(maxsize=4)
+def _default_reranker(backend: str = "auto") -> CrossEncoderReranker:
+    return CrossEncoderReranker(backend=backend)

@@ -15,6 +15,23 @@ def reranker():
     return CrossEncoderReranker.default()
 
 
+@pytest.fixture(scope="module")
+def reranker32():
+    return CrossEncoderReranker.default("float32")
+
+
+def _hf_cross_scores(questions, passages):
+    """Independent path: the Hugging Face tokenizer and model classes on the same files, one padded batch."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(PACKAGE_RERANKER), local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(str(PACKAGE_RERANKER), local_files_only=True,
+                                                               dtype=torch.float32).eval()
+    with torch.inference_mode():
+        enc = tok(questions, passages, return_tensors="pt", padding=True, truncation="only_second", max_length=256)
+        return model(**enc).logits[:, 0].numpy()
+
+
 def test_shipped_model_is_small_half_precision_with_a_card(reranker):
     weights = PACKAGE_RERANKER / "model.safetensors"
     assert weights.stat().st_size < 50e6
@@ -29,25 +46,53 @@ def test_shipped_model_is_small_half_precision_with_a_card(reranker):
     assert np.isfinite(reranker.dense_weight)
 
 
-def test_fused_score_is_cross_encoder_plus_weighted_dense(reranker):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
+def test_fused_score_is_cross_encoder_plus_weighted_dense(reranker32):
     q = "who wrote the novel pride and prejudice"
     passages = ["Pride and Prejudice\nPride and Prejudice is an 1813 novel by Jane Austen.",
                 "Moby-Dick\nMoby-Dick is an 1851 novel by Herman Melville."]
     dense = np.array([0.6, 0.2], dtype=np.float32)
-    got = reranker.score(q, passages, dense)
-    # Independent path: the Hugging Face tokenizer and model classes on the same files.
-    tok = AutoTokenizer.from_pretrained(str(PACKAGE_RERANKER), local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(str(PACKAGE_RERANKER), local_files_only=True,
-                                                               dtype=torch.float32).eval()
-    with torch.inference_mode():
-        enc = tok([q] * 2, passages, return_tensors="pt", padding=True, truncation="only_second", max_length=256)
-        ce = model(**enc).logits[:, 0].numpy()
-    np.testing.assert_allclose(got, ce + reranker.dense_weight * dense, rtol=1e-4, atol=1e-4)
+    got = reranker32.score(q, passages, dense)
+    ce = _hf_cross_scores([q] * 2, passages)
+    np.testing.assert_allclose(got, ce + reranker32.dense_weight * dense, rtol=1e-4, atol=1e-4)
     assert got[0] > got[1]
     with pytest.raises(ValueError, match="dense_scores"):
-        reranker.score(q, passages, dense[:1])
+        reranker32.score(q, passages, dense[:1])
+
+
+def _mixed_length_pairs():
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import passage_text
+
+    leads = [passage_text(t, x) for t, x, _ in wiki_leads()[:40]]
+    # lengths from a few words to past the 256-token limit, in no order
+    passages = [p[: 30 + (i * 397) % 2000] for i, p in enumerate(leads[:13])]
+    return ["who was the first president of the united states"] * len(passages), passages
+
+
+def test_length_sorted_batches_score_as_one_padded_batch(reranker32):
+    questions, passages = _mixed_length_pairs()
+    want = _hf_cross_scores(questions, passages)
+    for batch in (1, 3, 8, 32):
+        got = reranker32.cross_scores(questions, passages, batch_size=batch)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
+    assert reranker32.cross_scores([], []).shape == (0,)
+
+
+@pytest.mark.parametrize("backend", ["bfloat16", "int8"])
+def test_reduced_precision_backends_track_float32_or_fall_back(backend):
+    from certrag.backends import resolve
+
+    r = CrossEncoderReranker(backend=backend)
+    assert r.backend == resolve(backend)
+    questions, passages = _mixed_length_pairs()
+    want = _hf_cross_scores(questions, passages)
+    got = r.cross_scores(questions, passages)
+    # bfloat16 keeps 8 bits of mantissa: logits (spread over ~15) move by a few hundredths; dynamic int8 by more
+    tol = {"float32": 2e-4, "bfloat16": 0.15, "int8": 1.5}[r.backend.backend]
+    assert np.max(np.abs(got - want)) < tol
+    # the ranking of clearly separated passages is kept
+    top = np.argsort(-want)[:3]
+    assert set(np.argsort(-got)[:3]) & set(top)
 
 
 def test_reranker_does_not_rank_worse_than_the_bi_encoder_on_unseen_questions(reranker):

@@ -271,11 +271,31 @@ class Segmenter:
         return self.head.score_adjacent(self.embedder.embed(texts))
 
     def split(self, text: str) -> list[Chunk]:
+        return self.split_many([text])[0]
+
+    def split_many(self, texts: Sequence[str]) -> list[list[Chunk]]:
+        """split() of each text, with the sentences of all of them embedded in one batched call (each distinct
+        sentence once)."""
         cfg = self.config
-        units = _text_units(text, self.embedder, cfg.newline_is_break, cfg.max_tokens)
-        if not units.spans:
-            return []
-        probs = self.pair_probabilities([text[s:e] for s, e in units.spans])
+        units = [_text_units(text, self.embedder, cfg.newline_is_break, cfg.max_tokens) for text in texts]
+        sentences = [[text[s:e] for s, e in u.spans] for text, u in zip(texts, units)]
+        flat = [t for sents in sentences if len(sents) > 1 for t in sents]
+        vectors = self.embedder.embed(flat) if flat else np.zeros((0, self.embedder.dim), np.float32)
+        out, at = [], 0
+        for text, u, sents in zip(texts, units, sentences):
+            if not u.spans:
+                out.append([])
+                continue
+            if len(sents) > 1:
+                probs = self.head.score_adjacent(vectors[at:at + len(sents)])
+                at += len(sents)
+            else:
+                probs = np.zeros(0, dtype=np.float32)
+            out.append(self._finish(text, u, probs))
+        return out
+
+    def _finish(self, text: str, units: _Units, probs: np.ndarray) -> list[Chunk]:
+        cfg = self.config
         strength = probs.astype(np.float64)
         window_starts = set(_windows(units.tokens, cfg.window_tokens))
         cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < cfg.threshold or (i + 1) in window_starts]

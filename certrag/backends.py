@@ -1,0 +1,137 @@
+"""How the two encoders (the MiniLM embedder and the cross-encoder reranker) run on this CPU.
+
+Backends, measured side by side in benchmarks/bench_encoders.py (RESULTS.md keeps the table, losers included):
+
+- ``float32``: torch float32, the reference every other backend is checked against.
+- ``bfloat16``: the weights and activations in bfloat16, accumulated in float32 by oneDNN. Needs a CPU with
+  AVX512_BF16 (or AMX) to be fast; without it bfloat16 is emulated and slower than float32, so it falls back.
+- ``int8``: torch dynamic quantisation of every Linear (int8 weights, activations quantised per batch). Needs VNNI
+  to be fast; it falls back without it.
+- ``auto`` (the default): the fastest backend that held the quality bounds on this project's measurements and that
+  the CPU runs natively -- bfloat16 where the CPU has it, else float32.
+
+A backend the CPU cannot run natively is never refused: it falls back to float32 at run time, as the native core's
+SIMD dispatch does, and says so (``resolve`` returns the reason; ``certrag info`` shows it).
+
+Whatever the backend, batches are sorted by length and each batch is cut to its own longest row, so no row pays for
+padding up to the longest text of the call (``length_batches``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "float32", "bfloat16", "int8")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_features() -> frozenset[str]:
+    """The CPU features the backends depend on: a subset of {"avx512_bf16", "amx_bf16", "vnni"}."""
+    found: set[str] = set()
+    flags: set[str] = set()
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        flags = set(line.split(":", 1)[1].split())
+                        break
+        except OSError:
+            flags = set()
+    if "avx512_bf16" in flags:
+        found.add("avx512_bf16")
+    if "amx_bf16" in flags:
+        found.add("amx_bf16")
+    if flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:
+        found.add("vnni")
+    if "avx512_bf16" not in found:
+        try:  # the native core's own CPUID check, which works off Linux too
+            from certrag import _core
+
+            if _core.build_info().get("bfloat16_pair_scorer"):
+                found.add("avx512_bf16")
+        except Exception:  # pragma: no cover - the core is part of the package
+            pass
+    return frozenset(found)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    requested: str
+    backend: str  # float32 | bfloat16 | int8
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"requested": self.requested, "backend": self.backend, "reason": self.reason}
+
+
+def check_backend(name: object, argument: str = "backend") -> str:
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"{argument} must be one of {', '.join(BACKENDS)}; got {name!r}")
+    return name
+
+
+def resolve(requested: str = "auto", features: frozenset[str] | None = None) -> Resolved:
+    """The backend that runs for `requested` on a CPU with `features` (default: this one's), and why."""
+    check_backend(requested)
+    feats = cpu_features() if features is None else features
+    has_bf16 = bool(feats & {"avx512_bf16", "amx_bf16"})
+    if requested == "auto":
+        if has_bf16:
+            return Resolved(requested, "bfloat16", "auto: the CPU has native bfloat16 (AVX512_BF16/AMX)")
+        return Resolved(requested, "float32", "auto: no native bfloat16 on this CPU")
+    if requested == "bfloat16" and not has_bf16:
+        return Resolved(requested, "float32", "fallback: bfloat16 asked for, but the CPU has no AVX512_BF16/AMX")
+    if requested == "int8" and "vnni" not in feats:
+        return Resolved(requested, "float32", "fallback: int8 asked for, but the CPU has no VNNI")
+    return Resolved(requested, requested, "as configured")
+
+
+def prepare(model, backend: str):
+    """The model converted for `backend` (float32 | bfloat16 | int8), in eval mode. int8 returns a new module."""
+    import torch
+
+    model = model.eval()
+    if backend == "float32":
+        return model.float()
+    if backend == "bfloat16":
+        return model.to(torch.bfloat16)
+    if backend == "int8":
+        import warnings
+
+        with warnings.catch_warnings():  # torch points users of eager quantisation at torchao; it still works
+            warnings.simplefilter("ignore")
+            return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+    raise ValueError(f"backend must be float32, bfloat16 or int8; got {backend!r}")
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> Iterator[np.ndarray]:
+    """Indices of rows in batches of at most batch_size, sorted by length (longest first, so that a memory problem
+    shows in the first batch), so that each batch pads only to its own longest row."""
+    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
+    for start in range(0, len(order), batch_size):
+        yield order[start:start + batch_size]
+
+
+def padded(encodings: list, rows: np.ndarray, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """input_ids, attention_mask and token_type_ids (int64, (len(rows), L)) of unpadded tokenizers Encodings, padded
+    on the right to the rows' own longest length L."""
+    width = max(len(encodings[i].ids) for i in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    types = np.zeros((len(rows), width), dtype=np.int64)
+    for r, i in enumerate(rows):
+        e = encodings[i]
+        n = len(e.ids)
+        ids[r, :n] = e.ids
+        mask[r, :n] = 1
+        types[r, :n] = e.type_ids
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
