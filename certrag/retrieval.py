@@ -87,14 +87,28 @@ class Retriever:
         self.config = config
 
     def retrieve_batch(self, view: StoreView, questions: Sequence[str], *, candidates: int | None = None,
-                       selector: Selector | None = None, rerank: bool | None = None) -> list[Retrieval]:
+                       selector: Selector | None = None, rerank: bool | str | None = None) -> list[Retrieval]:
         """One Retrieval per question (validated by the caller). candidates overrides config.retrieval.candidates
-        (N); selector overrides the configured selector; rerank=False skips the cross-encoder (the dense scores
-        then rank and feed the selector). Asking for more candidates than the store holds returns what it has."""
+        (N); selector overrides the configured selector; rerank: None follows the config, False skips the
+        cross-encoder (the dense scores then rank and feed the selector), True always runs it, "adaptive" runs it
+        only where the reranker's skip rule says the dense ranking is not decisive. Asking for more candidates than
+        the store holds returns what it has."""
         n_cand = candidates if candidates is not None else self.config.retrieval.candidates
         if isinstance(n_cand, bool) or not isinstance(n_cand, int) or n_cand < 1:
             raise ValueError(f"candidates must be a positive integer; got {n_cand!r}")
         selector = selector or self.config.selection.make()
+        if rerank is None:
+            rerank = ("adaptive" if self.config.retrieval.adaptive_rerank else True) \
+                if self.config.retrieval.rerank else False
+        if rerank not in (True, False, "adaptive"):
+            raise ValueError(f"rerank must be True, False, 'adaptive' or None; got {rerank!r}")
+        skip_gap = None
+        if rerank == "adaptive" and self.reranker is not None:
+            rule = getattr(self.reranker, "skip_rule", None)
+            if not rule:
+                raise ValueError("rerank='adaptive' needs a reranker whose card holds a skip_rule (fit one with "
+                                 "`python -m certrag.train.skip_rule`)")
+            skip_gap = float(rule["threshold"])
         if not questions:
             return []
         t0 = time.perf_counter()
@@ -106,11 +120,11 @@ class Retriever:
         t2 = time.perf_counter()
         embed_ms, search_ms = (t1 - t0) * 1e3 / len(questions), (t2 - t1) * 1e3 / len(questions)
         reranker = self.reranker if rerank is not False else None
-        return [self._one(view, q, found.ids[qi], found.scores[qi], reranker, selector, embed_ms, search_ms)
+        return [self._one(view, q, found.ids[qi], found.scores[qi], reranker, selector, embed_ms, search_ms, skip_gap)
                 for qi, q in enumerate(questions)]
 
     def _one(self, view: StoreView, question: str, ids: np.ndarray, dense: np.ndarray, reranker, selector,
-             embed_ms: float, search_ms: float) -> Retrieval:
+             embed_ms: float, search_ms: float, skip_gap: float | None = None) -> Retrieval:
         # ids the view does not hold (padding, or vectors a writer added after this view was published) are skipped
         keep = np.array([int(c) in view.position for c in ids], dtype=bool) if len(ids) else np.zeros(0, bool)
         ids, dense = ids[keep], dense[keep]
@@ -119,6 +133,12 @@ class Retriever:
         chunks = [view.chunks[view.position[int(c)]] for c in ids]
         texts = [c["text"] for c in chunks]
         t3 = time.perf_counter()
+        # the dense lead of the first candidate over the second: the skip rule's feature
+        gap = float(dense[0] - dense[1]) if len(dense) > 1 else None
+        skipped = reranker is not None and skip_gap is not None and gap is not None and gap >= skip_gap
+        reranker_name = getattr(reranker, "name", None) if reranker is not None else None
+        if skipped:
+            reranker = None
         if reranker is not None and len(ids):
             rerank_scores = reranker.score(question, texts, dense,
                                            batch_size=self.config.retrieval.rerank_batch).astype(np.float32)
@@ -137,5 +157,5 @@ class Retriever:
             selected=int(selected),
             trace={"embed_ms": embed_ms, "search_ms": search_ms, "rerank_ms": (t4 - t3) * 1e3,
                    "select_ms": (t5 - t4) * 1e3, "candidates": int(len(ids)),
-                   "reranker": getattr(reranker, "name", None) if reranker is not None else None,
-                   "selector": selector.name})
+                   "reranker": reranker_name, "reranked": reranker is not None and len(ids) > 0,
+                   "rerank_skipped": bool(skipped), "dense_gap": gap, "selector": selector.name})

@@ -1,0 +1,197 @@
+"""The encoders' backends and the work they no longer repeat: run-time fallback, length-sorted batches equal to one
+padded batch, each distinct text embedded once, batched segmentation equal to one text at a time, the adaptive
+reranking rule and its trace."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from certrag.backends import BACKENDS, length_batches, resolve  # noqa: E402
+from certrag.embed import Embedder, EmbeddingCache  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def texts():
+    from certrag.data.corpora import wiki_leads
+
+    leads = [f"{t}\n{x}" for t, x, _ in wiki_leads()[:30]]
+    return [p[: 20 + (i * 331) % 1800] for i, p in enumerate(leads)]
+
+
+@pytest.fixture(scope="module")
+def embedder32():
+    return Embedder.default("float32")
+
+
+def test_backends_fall_back_where_the_cpu_cannot_run_them():
+    none, bf16, vnni = frozenset(), frozenset({"avx512_bf16"}), frozenset({"vnni"})
+    assert resolve("auto", none).backend == "float32"
+    assert resolve("auto", bf16).backend == "bfloat16"
+    assert resolve("bfloat16", none).backend == "float32" and "fallback" in resolve("bfloat16", none).reason
+    assert resolve("bfloat16", frozenset({"amx_bf16"})).backend == "bfloat16"
+    assert resolve("int8", bf16).backend == "float32" and "VNNI" in resolve("int8", bf16).reason
+    assert resolve("int8", vnni).backend == "int8"
+    assert resolve("float32", bf16 | vnni).backend == "float32"
+    for bad in ("fp16", "", None, 3):
+        with pytest.raises(ValueError, match="backend"):
+            resolve(bad)
+    assert set(BACKENDS) == {"auto", "float32", "bfloat16", "int8"}
+
+
+def test_config_names_the_backend_and_refuses_unknown_ones():
+    from certrag.config import EngineConfig
+
+    assert EngineConfig().encoder_backend == "auto"
+    assert EngineConfig.from_dict({"encoder_backend": "float32"}).encoder_backend == "float32"
+    with pytest.raises(ValueError, match="encoder_backend"):
+        EngineConfig(encoder_backend="onnx")
+
+
+def test_length_batches_cover_every_row_once_sorted_by_length():
+    lengths = [5, 1, 9, 9, 3, 7, 2]
+    batches = list(length_batches(lengths, 3))
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    assert [len(b) for b in batches] == [3, 3, 1]
+    assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
+
+
+def test_embeddings_in_length_sorted_batches_match_one_padded_batch(embedder32, texts):
+    """Oracle: the Hugging Face tokenizer and model on the same files, one padded batch, mean pooling by hand."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(embedder32.model_dir), local_files_only=True)
+    model = AutoModel.from_pretrained(str(embedder32.model_dir), local_files_only=True).eval()
+    with torch.inference_mode():
+        enc = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=256)
+        hidden = model(**enc).last_hidden_state
+        m = enc["attention_mask"].unsqueeze(-1).float()
+        want = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=1).numpy()
+    fresh = Embedder(backend="float32", batch_size=4, memo_size=0)
+    np.testing.assert_allclose(fresh.embed(texts), want, atol=2e-5)
+
+
+def test_bfloat16_embeddings_keep_their_direction(embedder32, texts):
+    bf = Embedder(backend="bfloat16", memo_size=0)
+    if bf.backend.backend != "bfloat16":
+        pytest.skip(f"no native bfloat16 here: {bf.backend.reason}")
+    cos = np.sum(bf.embed(texts) * embedder32.embed(texts), axis=1)
+    assert cos.min() > 0.995
+
+
+def test_each_distinct_text_is_embedded_once(texts, tmp_path, monkeypatch):
+    e = Embedder(backend="float32", memo_size=8)
+    seen = []
+    real = e._embed_uncached
+
+    def counting(batch):
+        seen.extend(batch)
+        return real(batch)
+
+    monkeypatch.setattr(e, "_embed_uncached", counting)
+    a = e.embed([texts[0], texts[1], texts[0], texts[2], texts[1]])
+    assert sorted(seen) == sorted({texts[0], texts[1], texts[2]})
+    np.testing.assert_array_equal(a[0], a[2])
+    np.testing.assert_array_equal(a[1], a[4])
+    seen.clear()
+    b = e.embed([texts[1], texts[3]])  # texts[1] is remembered
+    assert seen == [texts[3]]
+    np.testing.assert_array_equal(b[0], a[1])
+    seen.clear()
+    e.embed(texts[10:20])  # more than memo_size new texts: the oldest are forgotten
+    assert len(e._memo) == 8
+    e.embed([texts[0]])
+    assert seen[-1] == texts[0]
+
+
+def test_the_embedding_cache_writes_a_linear_total_and_loses_nothing(texts, tmp_path, monkeypatch):
+    path = tmp_path / "cache.safetensors"
+    cache = EmbeddingCache(path)
+    writes = []
+    real_save = EmbeddingCache.save
+
+    def counting_save(self):
+        if self._dirty:
+            writes.append(len(self._index))
+        real_save(self)
+
+    monkeypatch.setattr(EmbeddingCache, "save", counting_save)
+    e = Embedder(backend="float32", cache=cache, memo_size=0)
+    for t in texts:  # one miss per call, the pattern that used to rewrite the file every time
+        e.embed([t])
+    assert len(writes) < len(texts) // 2
+    cache.save()
+    assert EmbeddingCache(path).__len__() == len(set(texts))
+    # vectors of another backend are kept apart from the float32 ones
+    bf = Embedder(backend="bfloat16", cache=EmbeddingCache(path), memo_size=0)
+    if bf.backend.backend == "bfloat16":
+        bf.embed(texts[:3])
+        bf.cache.save()
+        assert len(EmbeddingCache(path)) == len(set(texts)) + 3
+
+
+def test_batched_segmentation_equals_one_text_at_a_time(texts):
+    from certrag.segment import Segmenter
+
+    seg = Segmenter(embedder=Embedder(backend="float32", memo_size=0))
+    docs = [" ".join(texts[i:i + 4]) for i in range(0, 24, 4)] + ["", "One sentence only."]
+    one = [seg.split(d) for d in docs]
+    many = seg.split_many(docs)
+    assert [[(c.start, c.end) for c in x] for x in many] == [[(c.start, c.end) for c in x] for x in one]
+    assert many[-2] == []
+
+
+def test_fit_threshold_against_a_hand_count():
+    from certrag.train.skip_rule import apply, fit_threshold, reciprocal_rank
+
+    assert reciprocal_rank(np.array([0.1, 0.9, 0.5]), 2) == 0.5
+    assert reciprocal_rank(np.array([0.1, 0.9]), -1) == 0.0
+    gaps = np.array([0.30, 0.20, 0.15, 0.10, 0.05])
+    dense = np.array([1.0, 1.0, 0.5, 1.0, 0.5])
+    rerank = np.array([1.0, 1.0, 1.0, 1.0, 1.0])
+    # skipping the two largest gaps loses nothing; the third loses 0.5 / 5 = 0.1
+    fit = fit_threshold(gaps, dense, rerank, budget=0.05)
+    assert fit["skip_rate"] == 0.4 and fit["threshold"] == pytest.approx(0.175)
+    # with budget 0.1 the first four can go (the fourth loses nothing more)
+    fit = fit_threshold(gaps, dense, rerank, budget=0.1)
+    assert fit["skip_rate"] == 0.8 and fit["threshold"] == pytest.approx(0.075)
+    out = apply(gaps, dense, rerank, fit["threshold"])
+    assert out["skip_rate"] == 0.8 and out["mrr_drop"] == pytest.approx(0.1)
+    assert fit_threshold(gaps, 1 - rerank, rerank, budget=0.0)["skip_rate"] == 0.0
+    # a cut never falls between equal gaps
+    fit = fit_threshold(np.array([0.2, 0.2, 0.1]), np.array([1.0, 0.0, 1.0]), np.ones(3), budget=0.0)
+    assert fit["skip_rate"] == 0.0
+
+
+def test_adaptive_reranking_skips_decisive_questions_and_says_so(tmp_path):
+    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.data.corpora import wiki_leads
+    from certrag.engine import Engine
+    from certrag.rerank import CrossEncoderReranker
+
+    leads = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:30]]
+    questions = [f"what is {d['id'][5:]}" for d in leads[:10]]
+    reranker = CrossEncoderReranker(backend="float32")
+    config = EngineConfig(chunker="fixed_sentence", encoder_backend="float32",
+                          retrieval=RetrievalConfig(candidates=6, adaptive_rerank=True))
+    with Engine.build(leads, tmp_path / "s", config, reranker=reranker, progress=False) as engine:
+        always = engine.retrieve_batch(questions, rerank=True)
+        gaps = sorted(r.trace["dense_gap"] for r in always)
+        reranker.skip_rule = {"threshold": gaps[len(gaps) // 2]}  # half of them are "decisive"
+        adaptive = engine.retrieve_batch(questions)
+        for a, r in zip(adaptive, always):
+            skip = r.trace["dense_gap"] >= reranker.skip_rule["threshold"]
+            assert a.trace["rerank_skipped"] is skip and a.trace["reranked"] is (not skip)
+            if skip:  # dense order, no logits
+                assert np.all(np.isnan(a.rerank_scores)) and np.all(np.diff(a.dense_scores) <= 0)
+            else:
+                np.testing.assert_allclose(a.rerank_scores, r.rerank_scores, atol=1e-5)
+        assert 0 < sum(a.trace["rerank_skipped"] for a in adaptive) < len(questions)
+        assert not any(r.trace["rerank_skipped"] for r in always)
+        assert not any(r.trace["reranked"] for r in engine.retrieve_batch(questions[:2], rerank=False))
+        with pytest.raises(ValueError, match="rerank"):
+            engine.retrieve(questions[0], rerank="sometimes")
+        reranker.skip_rule = None
+        with pytest.raises(ValueError, match="skip_rule"):
+            engine.retrieve(questions[0])
