@@ -49,9 +49,13 @@ def cached_retrievals(engine, reranker, questions: list[str], candidates: int, n
     from certrag.engine import Retrieval
     from certrag.select import TopKSelector
 
-    saved = _common.DATA_DIR / name
     key = {"questions": list(questions), "candidates": candidates, "reranker": reranker.card.get("seconds"),
            "chunks": len(engine)}
+    backend = getattr(getattr(reranker, "backend", None), "backend", "float32")
+    if backend != "float32":  # float32 retrievals keep the keys they were saved under
+        key["backend"] = backend
+        name = name.replace(".json", f"-{backend}.json")
+    saved = _common.DATA_DIR / name
     if saved.exists():
         blob = json.loads(saved.read_text())
         if blob["key"] == key:

@@ -69,6 +69,60 @@ def splitter_comparison(paragraphs: list[str]) -> dict:
             "paragraphs_identical": agree, "blingfire_sentences": n_bf, "pysbd_sentences": n_ps}
 
 
+def held_out_docs(n_docs: int = 40, max_paragraphs: int = 12) -> list[tuple]:
+    """(source, ParagraphDocument) for the first n_docs held-out documents of each source (never seen in training)."""
+    from certrag.data.corpora import ParagraphDocument, pydoc_documents, wiki_documents
+    from certrag.train.segmenter import split_documents
+
+    docs = []
+    for name, source in (("wiki", wiki_documents()), ("pydoc", pydoc_documents())):
+        _, held = split_documents(source)
+        held = sorted(held, key=lambda d: d.name)[:n_docs]
+        docs += [(name, ParagraphDocument(d.name, d.paragraphs[:max_paragraphs])) for d in held]
+    return docs
+
+
+def held_out_items(docs: list[tuple]) -> tuple[list[tuple], int]:
+    """The documents as (source, text, sentences, sentence starts, gold break sentence indices), and the Pk window
+    k. Gold: the sentence index of each paragraph start, in the text as the chunkers see it (paragraphs joined by a
+    space)."""
+    import numpy as np
+
+    from certrag.segment.sentences import split_sentences
+
+    items = []
+    for source, doc in docs:
+        text, starts = "", []
+        for i, para in enumerate(doc.paragraphs):
+            if i:
+                text += " "
+            starts.append(len(text))
+            text += para
+        sents = split_sentences(text)
+        s_starts = np.array([s.start for s in sents])
+        gold = {int(np.argmin(np.abs(s_starts - c))) for c in starts[1:]}
+        items.append((source, text, sents, s_starts, gold))
+    n_sent = sum(len(it[2]) for it in items)
+    gold_breaks = sum(len(it[4]) for it in items)
+    k = max(2, round(n_sent / (gold_breaks + len(items)) / 2))
+    return items, k
+
+
+def boundary_f1(items: list[tuple], predictions: list[list]) -> tuple[float, float, float]:
+    """Boundary precision, recall and F1 (exact sentence position) of predicted chunk lists against the items."""
+    import numpy as np
+
+    tp = fp = fn = 0
+    for (_, _, _, s_starts, gold), chunks in zip(items, predictions):
+        hyp = {int(np.argmin(np.abs(s_starts - c.start))) for c in chunks[1:]}
+        hyp.discard(0)
+        tp += len(hyp & gold)
+        fp += len(hyp - gold)
+        fn += len(gold - hyp)
+    prec, rec = tp / max(tp + fp, 1), tp / max(tp + fn, 1)
+    return prec, rec, 2 * prec * rec / max(prec + rec, 1e-12)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--docs", type=int, default=40, help="held-out documents per source")
@@ -83,34 +137,13 @@ def main() -> None:
     from certrag.embed import Embedder
     from certrag.segment import (FixedSizeChunker, PercentileSemanticChunker, Segmenter, SegmenterConfig,
                                  SentenceFixedChunker)
-    from certrag.segment.sentences import split_sentences
-    from certrag.data.corpora import ParagraphDocument, pydoc_documents, wiki_documents
-    from certrag.train.segmenter import split_documents
+    from certrag.data.corpora import wiki_documents
 
     embedder = Embedder.default()
-    docs = []
-    for name, source in (("wiki", wiki_documents()), ("pydoc", pydoc_documents())):
-        _, held = split_documents(source)
-        held = sorted(held, key=lambda d: d.name)[: args.docs]
-        docs += [(name, ParagraphDocument(d.name, d.paragraphs[: args.max_paragraphs])) for d in held]
-
-    # Gold: sentence index of each paragraph start, in the text as the chunkers see it.
-    items = []
-    for source, doc in docs:
-        text, starts, pos = "", [], 0
-        for i, para in enumerate(doc.paragraphs):
-            if i:
-                text += " "
-            starts.append(len(text))
-            text += para
-        sents = split_sentences(text)
-        s_starts = np.array([s.start for s in sents])
-        gold = {int(np.argmin(np.abs(s_starts - c))) for c in starts[1:]}
-        items.append((source, text, sents, s_starts, gold))
+    docs = held_out_docs(args.docs, args.max_paragraphs)
+    items, k = held_out_items(docs)
     n_sent = sum(len(it[2]) for it in items)
     gold_breaks = sum(len(it[4]) for it in items)
-    mean_seg_sents = n_sent / (gold_breaks + len(items))
-    k = max(2, round(mean_seg_sents / 2))
     seg_tokens = int(round(sum(embedder.count_tokens([it[1]])[0] for it in items) / (gold_breaks + len(items))))
     break_rate = gold_breaks / max(1, n_sent - len(items))
 
