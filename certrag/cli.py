@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -346,22 +347,49 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
 
 @main.command()
 @click.argument("store", required=False, type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback by default).")
 @click.option("--port", default=8000, show_default=True)
 @click.option("--model", default=None, help="Bundled model name or transformers folder (default: Qwen2.5-0.5B).")
-@click.option("--max-body-bytes", default=1 << 20, show_default=True, help="Larger requests get 413.")
-def serve(store: Path | None, host: str, port: int, model: str | None, max_body_bytes: int) -> None:
-    """Serve /v1/chat/completions (the local model) and, with STORE, /v1/answer (the engine)."""
+@click.option("--llm-url", default=None,
+              help="Answer through this OpenAI-compatible server (e.g. http://host:8001) instead of a local model.")
+@click.option("--llm-model", default="default", show_default=True, help="The model name to ask --llm-url for.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, help="Larger request bodies get 413.")
+@click.option("--max-batch", default=64, show_default=True, help="Items per shared encoder forward pass.")
+@click.option("--max-wait-ms", default=2.0, show_default=True, help="How long a batcher waits for more requests.")
+@click.option("--queue-depth", default=16, show_default=True, help="Generations queued or running; more get 429.")
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              help="Default per-request deadline in seconds (504 after it; also the drain time on SIGTERM).")
+@click.option("--api-key", envvar="CERTRAG_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every route but /health and /ready [env CERTRAG_API_KEY].")
+def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: str | None, llm_model: str,
+          max_body_bytes: int, max_batch: int, max_wait_ms: float, queue_depth: int, timeout_s: float,
+          api_key: str | None) -> None:
+    """Serve the OpenAI routes (/v1/chat/completions, /v1/models, /v1/embeddings), /v1/rerank and, with STORE,
+    /v1/retrieve and /v1/answer; /health, /ready and /metrics."""
     import uvicorn
 
-    from certrag.llm import LocalLLM
-    from certrag.serve.app import create_app
+    from certrag.serve.app import ServeConfig, create_app
 
-    llm = LocalLLM(model) if model else LocalLLM()
+    try:
+        config = ServeConfig(host=host, port=port, max_body_bytes=max_body_bytes, max_batch=max_batch,
+                             max_wait_ms=max_wait_ms, queue_depth=queue_depth, timeout_s=timeout_s, api_key=api_key)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if llm_url and model:
+        raise click.UsageError("give --model (a local model) or --llm-url (a remote one), not both")
+    if llm_url:
+        from certrag.llm import OpenAIChatClient
+
+        llm = OpenAIChatClient(llm_url, llm_model, timeout=timeout_s)
+    else:
+        from certrag.llm import LocalLLM
+
+        llm = LocalLLM(model) if model else LocalLLM()
     engine = _open_engine(store, read_only=True) if store else None
     if engine is not None:
         engine.llm = llm
-    uvicorn.run(create_app(llm, engine, max_body_bytes=max_body_bytes), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(llm, engine, config), host=host, port=port, log_level="info",
+                timeout_graceful_shutdown=int(math.ceil(timeout_s)), timeout_keep_alive=5)
 
 
 @main.command("eval")

@@ -156,6 +156,18 @@ class Engine:
         return {"embedder": embedder.name, "dim": embedder.dim,
                 "reranker": getattr(reranker, "name", None) if reranker is not None else None}
 
+    def serving_view(self, *, embedder=None, reranker=None) -> "Engine":
+        """A read-only engine over this one's current store version that runs on other model objects (the
+        server's batching wrappers): the data, the model (llm), the calibration and the factuality classifier are
+        shared, nothing is copied. Writes made later through this engine are not seen by the view."""
+        view = Engine(self.path, self._data, self.config, read_only=True,
+                      embedder=embedder if embedder is not None else self._embedder,
+                      reranker=reranker if reranker is not None else self._reranker)
+        view._llm = self._llm
+        view._calibration = self._calibration
+        view.factuality = self.factuality
+        return view
+
     def close(self) -> None:
         if self._lock:
             self._lock.release()
@@ -388,7 +400,7 @@ class Engine:
         self._llm = value
 
     def answer(self, question: str, strategy="plain", *, answer_options: AnswerOptions | None = None,
-               **fields) -> Answer:
+               llm=None, retrieval: Retrieval | None = None, **fields) -> Answer:
         """Retrieves, then answers with a strategy: a name from certrag.strategies.STRATEGY_NAMES (plain,
         chain_of_note, self_rag, feedback = SAGE's loop around plain, feedback:<name> around another) or a
         strategy object such as SelfRag(delta=0.5) or Feedback(ChainOfNote()). The feedback loop re-selects from
@@ -403,7 +415,11 @@ class Engine:
         selector's cut (at most selection.max_k); with none trusted the answer is "unknown", counted as a rejection,
         and no LLM call is made. confidence=True records lookback ratios while the local model writes the answer
         and fills Answer.confidence with the factuality classifier's P(supported) (engine.factuality; by default
-        the one shipped for the model)."""
+        the one shipped for the model).
+
+        llm: the model for this call only (default: engine.llm), e.g. a per-request wrapper that streams or can be
+        cancelled. retrieval: a Retrieval of this question already made (engine.retrieve), used instead of
+        retrieving again."""
         from certrag.strategies import make_strategy
 
         if answer_options is not None and fields:
@@ -413,10 +429,12 @@ class Engine:
         chosen = make_strategy(strategy)
         if opts.max_new_tokens is not None:
             chosen = chosen.with_max_new_tokens(opts.max_new_tokens)
-        llm = self.llm
+        llm = self.llm if llm is None else llm
         classifier = self._factuality_for(llm) if opts.confidence else None
         t0 = time.perf_counter()
-        r = self.retrieve(question)
+        if retrieval is not None and retrieval.question != question:
+            raise ValueError("retrieval was made for another question")
+        r = self.retrieve(question) if retrieval is None else retrieval
         certification = self.certify(r, force=opts.force_certify) if opts.certify or opts.force_certify else None
         return answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
                            certification=certification, classifier=classifier,

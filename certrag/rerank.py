@@ -55,7 +55,9 @@ class CrossEncoderReranker:
         self._model = prepare(AutoModelForSequenceClassification.from_pretrained(
             str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32), self.backend.backend)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        self._tokenizer.enable_truncation(max_length, strategy="only_second")
+        # longest_first trims the passage as only_second would whenever the question is the shorter of the two, and
+        # trims a question longer than its passage instead of failing ("Second sequence not long enough")
+        self._tokenizer.enable_truncation(max_length, strategy="longest_first")
         self._tokenizer.no_padding()  # each length-sorted batch is padded to its own longest pair
         self._torch = torch
         self.batch_size = batch_size

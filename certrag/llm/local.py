@@ -35,6 +35,56 @@ class Generation:
     token_logprobs: tuple[float, ...] = ()  # each generated token's log-probability, as mean_logprob's
 
 
+class _Watcher:
+    """A stopping criterion for one sequence that streams text deltas, ends at stop strings and honours
+    cancellation. transformers calls it after every generated token with the whole sequence so far (any callable
+    with StoppingCriteria's signature goes in a StoppingCriteriaList)."""
+
+    def __init__(self, tokenizer, prompt_len: int, stop: tuple[str, ...], on_text, cancelled) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_len = prompt_len
+        self.stop = stop
+        self.on_text = on_text
+        self.cancelled = cancelled
+        self.sent = 0  # characters of the decoded text already handed to on_text
+        self.stopped_at: int | None = None  # character offset of the first stop string
+        self.was_cancelled = False
+        self.hold = max((len(x) for x in stop), default=1) - 1  # a stop string may be arriving: keep its length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+
+        if self.cancelled is not None and self.cancelled():
+            self.was_cancelled = True
+            return torch.ones(input_ids.shape[0], dtype=torch.bool)
+        text = self.tokenizer.decode(input_ids[0, self.prompt_len:].tolist(), skip_special_tokens=True)
+        done = False
+        if self.stop:
+            hits = [i for i in (text.find(x, max(0, self.sent - self.hold)) for x in self.stop) if i >= 0]
+            if hits:
+                self.stopped_at = min(hits)
+                text, done = text[:self.stopped_at], True
+        if self.on_text is not None:
+            # a trailing U+FFFD is half of a multi-byte character: wait for the rest; hold back what may be the
+            # start of a stop string
+            ready = len(text) if done else len(text.rstrip("\ufffd")) - (self.hold if self.stop else 0)
+            if ready > self.sent:
+                self.on_text(text[self.sent:ready])
+                self.sent = ready
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool)
+
+    def finish(self, new: list[int], text: str, finish: str) -> tuple[str, str]:
+        """The answer's text and finish reason, and the last delta for on_text."""
+        if self.stopped_at is not None:
+            text, finish = text[:self.stopped_at], "stop"
+        elif self.was_cancelled:
+            finish = "cancelled"
+        if self.on_text is not None and len(text) > self.sent:
+            self.on_text(text[self.sent:])
+            self.sent = len(text)
+        return text, finish
+
+
 def _mean(values) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
@@ -124,27 +174,43 @@ class LocalLLM:
                 torch.set_num_threads(previous)
         return out
 
+    @property
+    def context_length(self) -> int:
+        """The most tokens (prompt + generated) the model was trained to attend over."""
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 2048)
+
     def generate(self, messages: list[dict], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                 seed: int | None = None, prefix: str = "", record_lookback: bool = False) -> Generation:
+                 seed: int | None = None, prefix: str = "", record_lookback: bool = False,
+                 stop: list[str] | tuple[str, ...] = (), on_text=None, cancelled=None) -> Generation:
         """prefix: text the assistant has already written (its tokens count as input); the result continues it.
-        record_lookback: record lookback ratios over the prompt's <passage>s into Generation.lookback."""
+        record_lookback: record lookback ratios over the prompt's <passage>s into Generation.lookback.
+        stop: strings that end the answer (not included; finish_reason "stop"). on_text(delta): called from the
+        decoding thread with each new piece of text as it is decoded (streaming; the pieces join to the answer).
+        cancelled(): polled before every token; when true, decoding stops there (finish_reason "cancelled")."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {temperature}")
+        if isinstance(stop, str) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError("stop must be a list of non-empty strings")
         torch = self._torch
         ids = self.prompt_ids(messages)
         spans = self._passage_spans(messages, ids) if record_lookback else None
         if prefix:
             ids = ids + self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        watch = _Watcher(self.tokenizer, len(ids), tuple(stop), on_text, cancelled) \
+            if (stop or on_text or cancelled) else None
         started = time.perf_counter()
         with self._lock, torch.inference_mode(), self._recording(len(ids), spans) as rec:
             out = self._decode(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), max_new_tokens,
-                               temperature, seed, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+                               temperature, seed, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                               criteria=watch)
         new = out.sequences[0, len(ids):].tolist()
         logprobs = self._token_logprobs(out.scores, 0, new)
         finish = "stop" if new and new[-1] in self._eos_ids() else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
+        if watch is not None:
+            text, finish = watch.finish(new, text, finish)
         return Generation(text=text.strip(), input_tokens=len(ids), output_tokens=len(new),
                           seconds=time.perf_counter() - started, finish_reason=finish,
                           lookback=rec.finish() if rec is not None else None, mean_logprob=_mean(logprobs),
@@ -193,9 +259,10 @@ class LocalLLM:
                     mean_logprob=_mean(logprobs), token_ids=tuple(new), token_logprobs=logprobs))
         return results
 
-    def _decode(self, ids, mask, max_new_tokens: int, temperature: float, seed: int | None, pad: int):
+    def _decode(self, ids, mask, max_new_tokens: int, temperature: float, seed: int | None, pad: int,
+                criteria=None):
         """model.generate on `num_threads` threads (restored after): greedy, or seeded sampling when temperature >
-        0; the caller holds the lock and inference mode."""
+        0; the caller holds the lock and inference mode. criteria: a StoppingCriteria checked after every token."""
         torch = self._torch
         previous = torch.get_num_threads()
         torch.set_num_threads(self.num_threads)
@@ -206,6 +273,10 @@ class LocalLLM:
                 torch.manual_seed(0 if seed is None else seed)
             else:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
+            if criteria is not None:
+                from transformers import StoppingCriteriaList
+
+                kwargs["stopping_criteria"] = StoppingCriteriaList([criteria])
             return self.model.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True,
                                        **kwargs)
         finally:

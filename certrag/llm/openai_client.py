@@ -66,7 +66,8 @@ class OpenAIChatClient:
                            f"{last} (after {self.retries + 1} attempts)") from None
 
     def generate(self, messages: list[dict], *, max_new_tokens: int = 128, temperature: float = 0.0,
-                 seed: int | None = None, record_lookback: bool = False) -> Generation:
+                 seed: int | None = None, record_lookback: bool = False, stop: list[str] | tuple[str, ...] = ()
+                 ) -> Generation:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         if record_lookback:
@@ -76,6 +77,8 @@ class OpenAIChatClient:
                    "temperature": temperature}
         if seed is not None:
             payload["seed"] = seed
+        if stop:
+            payload["stop"] = list(stop)
         started = time.perf_counter()
         reply = self._post("/v1/chat/completions", payload)
         try:
