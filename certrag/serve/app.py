@@ -53,6 +53,7 @@ class ServeConfig:
     queue_depth: int = 16
     timeout_s: float = 120.0
     api_key: str | None = None
+    serialize: bool = False  # a baseline for benchmarks only: one request at a time, as the server used to run
 
     def __post_init__(self) -> None:
         for name in ("port", "max_body_bytes", "max_batch", "queue_depth"):
@@ -677,6 +678,7 @@ class _Guard:
         self.config = config
         self.metrics = metrics
         self.routes: set[str] | None = None
+        self.one_at_a_time = asyncio.Lock() if config.serialize else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -733,7 +735,11 @@ class _Guard:
                         return {"type": "http.disconnect"}
                 return message
 
-            await self.app(scope, counted_receive, send_counted)
+            if self.one_at_a_time is not None:
+                async with self.one_at_a_time:
+                    await self.app(scope, counted_receive, send_counted)
+            else:
+                await self.app(scope, counted_receive, send_counted)
         finally:
             route = path if path in (self.routes or ()) else "other"
             metrics.latency.labels(route, str(status["code"])).observe(time.perf_counter() - started)
