@@ -65,12 +65,21 @@ def _from_path(path: Path, root: Path | None = None) -> list[Document]:
     return [Document(id=name, text=_read_text(path), metadata={"source": str(path)})]
 
 
+def _looks_like_path(text: str) -> bool:
+    if not text or len(text) > 4096 or any(c.isspace() for c in text):
+        return False
+    return (text.endswith(("/", os.sep)) or text.startswith(("/", "./", "../", "~/"))
+            or Path(text).suffix.lower() in (".txt", ".md", ".json", ".jsonl"))
+
+
 def load_documents(documents: object) -> list[Document]:
     """Normalises what users pass to Engine.build / Engine.add into Documents.
 
     Accepted: a path (str or os.PathLike naming an existing file or folder), a Document, a dict with 'text' (and
     optionally 'id', 'metadata'), a plain string of text, or a list of any of these. Plain strings that are not
-    existing paths are document texts; their id is the first 16 hex digits of their SHA-256.
+    existing paths are document texts; their id is the first 16 hex digits of their SHA-256. A string that can only
+    be a path (one word ending in a path separator, or in .txt/.md/.json/.jsonl, or starting with /, ./, ../ or ~/)
+    and names nothing raises FileNotFoundError rather than becoming a one-word document.
     """
     if isinstance(documents, (str, os.PathLike, Document, dict)):
         documents = [documents]
@@ -83,8 +92,11 @@ def load_documents(documents: object) -> list[Document]:
         elif isinstance(item, os.PathLike):
             out += _from_path(Path(item))
         elif isinstance(item, str):
-            if len(item) < 4096 and "\n" not in item and Path(item).exists():
-                out += _from_path(Path(item))
+            if len(item) < 4096 and "\n" not in item and Path(item).expanduser().exists():
+                out += _from_path(Path(item).expanduser())
+            elif _looks_like_path(item):
+                raise FileNotFoundError(f"documents[{i}]: no such file or folder: {item!r} (pass a dict "
+                                        "{'text': ...} to index it as text)")
             else:
                 out.append(Document(id=hashlib.sha256(item.encode()).hexdigest()[:16], text=item))
         elif isinstance(item, dict):

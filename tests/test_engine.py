@@ -349,3 +349,19 @@ def test_each_selector_gets_its_own_scale_through_the_engine(tmp_path, leads):
                 seen.add((sel.method, r.selected))
     # the top-p cut is not the near-flat one the exp(s - max) scale gives (it kept all ten candidates)
     assert any(m == "topp" and n < 10 for m, n in seen)
+
+
+def test_a_missing_path_is_an_error_not_a_document(tmp_path):
+    from certrag.documents import load_documents
+
+    for missing in ("notes/", "report.txt", "./data", str(tmp_path / "absent.jsonl")):
+        with pytest.raises(FileNotFoundError, match="no such file or folder"):
+            load_documents([missing])
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("Alpha is the first letter.")
+    assert [d.text for d in load_documents([str(tmp_path / "notes") + "/"])] == ["Alpha is the first letter."]
+    # ordinary short texts stay texts
+    assert [d.text for d in load_documents(["Paris", "Hello world.", "e.g."])] == ["Paris", "Hello world.", "e.g."]
+    out = subprocess.run([sys.executable, "-c", "from certrag.cli import main; main()", "index", "missing-folder/",
+                          "--store", str(tmp_path / "s")], capture_output=True, text=True)
+    assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr
