@@ -218,19 +218,28 @@ def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker:
 @click.argument("question")
 @click.option("--candidates", "-n", type=int, default=None, help="Candidates from the index (N).")
 @click.option("--selector", type=click.Choice(list(SELECTORS)), default=None)
+@click.option("--k", "k", type=click.IntRange(min=1), default=None,
+              help="Keep exactly the top K (the topk selector with this k).")
+@click.option("--rerank", type=click.Choice(["on", "off", "adaptive"]), default=None,
+              help="Override the store's reranking for this search.")
 @click.option("--all", "show_all", is_flag=True, help="Show every candidate, not only the selected ones.")
 @click.option("--json", "as_json", is_flag=True, help="Print the full retrieval as JSON.")
-def search(store: Path, question: str, candidates: int | None, selector: str | None, show_all: bool,
-           as_json: bool) -> None:
+def search(store: Path, question: str, candidates: int | None, selector: str | None, k: int | None,
+           rerank: str | None, show_all: bool, as_json: bool) -> None:
     """Retrieve, rerank and select the chunks of STORE that answer QUESTION."""
+    if k is not None and selector not in (None, "topk"):
+        raise click.UsageError("--k sets the topk selector; it cannot go with --selector " + str(selector))
     with _open_engine(store, read_only=True) as engine:
-        sel = None
-        if selector:
-            import dataclasses
+        import dataclasses
 
+        sel = None
+        if k is not None:
+            sel = dataclasses.replace(engine.config.selection, method="topk", k=k).make()
+        elif selector:
             sel = dataclasses.replace(engine.config.selection, method=selector).make()
+        per_call = {"on": True, "off": False, "adaptive": "adaptive", None: None}[rerank]
         try:
-            r = engine.retrieve(question, candidates=candidates, selector=sel)
+            r = engine.retrieve(question, candidates=candidates, selector=sel, rerank=per_call)
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
     if as_json:
@@ -245,6 +254,24 @@ def search(store: Path, question: str, candidates: int | None, selector: str | N
     t = r.trace
     click.echo(f"selected {r.selected} of {len(r.chunk_ids)} ({t['selector']}); embed {t['embed_ms']:.1f} ms, "
                f"search {t['search_ms']:.2f} ms, rerank {t['rerank_ms']:.1f} ms")
+
+
+@main.command()
+@click.argument("store", type=click.Path(path_type=Path))
+@click.argument("doc_ids", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def remove(store: Path, doc_ids: tuple[str, ...], as_json: bool) -> None:
+    """Remove documents (by id) and their chunks from STORE; re-index a changed document with remove + index."""
+    with _open_engine(store, read_only=False) as engine:
+        missing = [d for d in doc_ids if d not in set(engine.documents)]
+        if missing:
+            raise click.ClickException(f"not in {store}: {', '.join(missing[:5])}"
+                                       + (" ..." if len(missing) > 5 else ""))
+        chunks = engine.remove(list(doc_ids))
+    if as_json:
+        click.echo(json.dumps({"documents": len(doc_ids), "chunks": chunks, "store": str(store)}))
+    else:
+        click.echo(f"removed {len(doc_ids)} documents ({chunks} chunks) from {store}")
 
 
 @main.command()

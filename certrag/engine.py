@@ -450,6 +450,24 @@ class Engine:
             self.factuality = FactualityClassifier.for_model(getattr(llm, "name", ""))
         return self.factuality
 
+    async def aretrieve(self, question: str, **kwargs) -> Retrieval:
+        """retrieve() in a worker thread, so an event loop keeps serving while the models run."""
+        import asyncio
+
+        return await asyncio.to_thread(self.retrieve, question, **kwargs)
+
+    async def aretrieve_batch(self, questions: Sequence[str], **kwargs) -> list[Retrieval]:
+        """retrieve_batch() in a worker thread."""
+        import asyncio
+
+        return await asyncio.to_thread(self.retrieve_batch, questions, **kwargs)
+
+    async def aanswer(self, question: str, strategy="plain", **kwargs) -> Answer:
+        """answer() in a worker thread."""
+        import asyncio
+
+        return await asyncio.to_thread(self.answer, question, strategy, **kwargs)
+
     def retrieve(self, question: str, *, candidates: int | None = None, selector=None,
                  rerank: bool | str | None = None) -> Retrieval:
         """Embeds, searches, reranks and selects for one question (a non-empty string); see retrieve_batch."""

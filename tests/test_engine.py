@@ -365,3 +365,41 @@ def test_a_missing_path_is_an_error_not_a_document(tmp_path):
     out = subprocess.run([sys.executable, "-c", "from certrag.cli import main; main()", "index", "missing-folder/",
                           "--store", str(tmp_path / "s")], capture_output=True, text=True)
     assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_async_twins_run_beside_the_event_loop_and_the_cli_removes(store, leads):
+    import asyncio
+
+    engine, path = store
+    question = leads[3]["metadata"]["description"] or leads[3]["id"][5:]
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.create_task(ticker())
+        r, rs = await asyncio.gather(engine.aretrieve(question), engine.aretrieve_batch([question, "x y z"]))
+        t.cancel()
+        return r, rs, ticks
+
+    r, rs, ticks = asyncio.run(main())
+    want = engine.retrieve(question)
+    assert r.chunk_ids.tolist() == want.chunk_ids.tolist() == rs[0].chunk_ids.tolist()
+    assert ticks > 1  # the loop kept running while the models worked
+    engine.close()
+    cli = [sys.executable, "-c", "from certrag.cli import main; main()"]
+    gone = leads[3]["id"]
+    out = subprocess.run(cli + ["remove", str(path), gone, "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["documents"] == 1
+    out = subprocess.run(cli + ["remove", str(path), gone], capture_output=True, text=True)
+    assert out.returncode != 0 and "not in" in out.stderr
+    out = subprocess.run(cli + ["search", str(path), question, "--k", "3", "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["selected"] == 3 and gone not in [c["doc_id"] for c in got["candidates"]]
