@@ -376,7 +376,8 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
 @click.argument("store", required=False, type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback by default).")
 @click.option("--port", default=8000, show_default=True)
-@click.option("--model", default=None, help="Bundled model name or transformers folder (default: Qwen2.5-0.5B).")
+@click.option("--model", default=None,
+              help="Bundled model name or transformers folder (default: qwen2.5-coder-0.5b-instruct).")
 @click.option("--llm-url", default=None,
               help="Answer through this OpenAI-compatible server (e.g. http://host:8001) instead of a local model.")
 @click.option("--llm-model", default="default", show_default=True, help="The model name to ask --llm-url for.")
@@ -431,7 +432,8 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
 @click.option("--noise", "noise", multiple=True, type=float,
               help="Chain-of-Note noise ratio(s); without it the engine's own retrieval supplies the passages.")
 @click.option("--k", default=5, show_default=True, help="Passages per question under the noise protocol.")
-@click.option("--model", default=None, help="Bundled model or transformers folder (default Qwen2.5-0.5B).")
+@click.option("--model", default=None,
+              help="Bundled model or transformers folder (default: qwen2.5-coder-0.5b-instruct).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the full report as JSON.")
 def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], noise: tuple[float, ...], k: int,
              model: str | None, out: Path | None) -> None:
@@ -492,8 +494,9 @@ def train_segmenter_cmd(out: Path, sources: str, max_pairs: int, epochs: int, hi
 @main.command("train-factuality")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True,
               help="The local model whose attention the classifier reads.")
-@click.option("--questions", default=400, show_default=True, help="NQ-open train questions to answer.")
-@click.option("--k", default=3, show_default=True, help="Passages per question.")
+@click.option("--questions", default=400, show_default=True, type=click.IntRange(min=20),
+              help="NQ-open train questions to answer (at least 20: the classifier is cross-validated).")
+@click.option("--k", default=3, show_default=True, type=click.IntRange(min=1), help="Passages per question.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Classifier JSON (default: the package's certrag/certify/models/<model>.json).")
 @click.option("--examples", type=click.Path(path_type=Path), default=None,
@@ -506,7 +509,10 @@ def train_factuality_cmd(model: str, questions: int, k: int, out: Path | None, e
 
     out = out or PACKAGE_DIR / f"{model}.json"
     examples = examples or certrag_home() / f"factuality-train-{model}-{questions}-k{k}.safetensors"
-    clf = train_factuality(model, out, questions=questions, k=k, examples=examples)
+    try:
+        clf = train_factuality(model, out, questions=questions, k=k, examples=examples)
+    except ValueError as exc:  # e.g. every answer supported (one class): say so, no traceback
+        raise click.ClickException(f"cannot train on these answers: {exc}") from None
     c = clf.card
     click.echo(f"wrote {out}: {c['examples']} answers ({c['positives']} supported), C = {c['C']}, "
                f"cross-validated AUROC {c['cv_auroc']:.3f}")
