@@ -45,5 +45,5 @@ setup(
     packages=[*find_packages(include=["certrag", "certrag.*"]), "certrag.kernels"],
     package_data={"certrag.segment": ["data/*.safetensors", "data/*.json"],
                   "certrag.certify": ["models/*.json"],
-                  "certrag": ["_core.pyi", "reranker/*.json", "reranker/*.safetensors"]},
+                  "certrag": ["_core.pyi", "py.typed", "reranker/*.json", "reranker/*.safetensors"]},
 )
