@@ -113,18 +113,40 @@ def prepare(model, backend: str):
     raise ValueError(f"backend must be float32, bfloat16 or int8; got {backend!r}")
 
 
-def length_batches(lengths: Sequence[int], batch_size: int) -> Iterator[np.ndarray]:
+def grid_width(length: int, grid: int) -> int:
+    """length rounded up to a multiple of grid (grid 0: unchanged)."""
+    return -(-length // grid) * grid if grid > 0 else length
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, grid: int = 0) -> Iterator[np.ndarray]:
     """Indices of rows in batches of at most batch_size, sorted by length (longest first, so that a memory problem
-    shows in the first batch), so that each batch pads only to its own longest row."""
-    order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
-    for start in range(0, len(order), batch_size):
-        yield order[start:start + batch_size]
+    shows in the first batch), so that each batch pads only to its own longest row.
+
+    grid > 0: every row is padded to its length rounded up to a multiple of grid, and a batch holds rows of one
+    padded width only. A row's result then depends on its own text alone, not on what it is batched with (a
+    forward pass gives each row the same numbers whatever the batch size when no row is padded beyond its own
+    width), so the dynamic batcher's answers are the ones a request gets alone."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if grid <= 0:
+        order = np.argsort(-lengths, kind="stable")
+        for start in range(0, len(order), batch_size):
+            yield order[start:start + batch_size]
+        return
+    widths = -(-lengths // grid) * grid
+    order = np.lexsort((np.arange(len(lengths)), -widths))
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and end - start < batch_size and widths[order[end]] == widths[order[start]]:
+            end += 1
+        yield order[start:end]
+        start = end
 
 
-def padded(encodings: list, rows: np.ndarray, pad_id: int = 0) -> dict[str, np.ndarray]:
+def padded(encodings: list, rows: np.ndarray, pad_id: int = 0, grid: int = 0) -> dict[str, np.ndarray]:
     """input_ids, attention_mask and token_type_ids (int64, (len(rows), L)) of unpadded tokenizers Encodings, padded
-    on the right to the rows' own longest length L."""
-    width = max(len(encodings[i].ids) for i in rows)
+    on the right to the rows' own longest length L (rounded up to a multiple of grid when grid > 0)."""
+    width = grid_width(max(len(encodings[i].ids) for i in rows), grid)
     ids = np.full((len(rows), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(rows), width), dtype=np.int64)
     types = np.zeros((len(rows), width), dtype=np.int64)

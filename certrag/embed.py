@@ -126,7 +126,9 @@ class Embedder:
     """Batched, normalised sentence embeddings from a BERT-style encoder with mean pooling.
 
     backend: auto | float32 | bfloat16 | int8 (certrag.backends; auto picks bfloat16 on CPUs with native bfloat16,
-    else float32; an unsupported choice falls back to float32 and says why in ``self.backend``). Each call embeds
+    else float32; an unsupported choice falls back to float32 and says why in ``self.backend``). Rows are padded to a
+    multiple of pad_grid tokens and batched with rows of the same padded width, so a text's vector does not depend on
+    what it was batched with (certrag.backends.length_batches; 8 measured fastest for sentences). Each call embeds
     every distinct string once, and the last ``memo_size`` distinct texts are remembered in memory (a chunk that is
     one sentence reuses the sentence's vector; repeated boilerplate and repeated questions are embedded once).
 
@@ -135,7 +137,8 @@ class Embedder:
 
     def __init__(self, model_dir: str | os.PathLike | None = None, *, name: str = DEFAULT_MODEL,
                  batch_size: int = 64, max_length: int = 256, num_threads: int | None = None,
-                 cache: EmbeddingCache | None = None, backend: str = "auto", memo_size: int = 16384) -> None:
+                 cache: EmbeddingCache | None = None, backend: str = "auto", memo_size: int = 16384,
+                 pad_grid: int = 8) -> None:
         from certrag.backends import check_backend, prepare, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -144,6 +147,8 @@ class Embedder:
             raise ValueError(f"max_length must be at least 8; got {max_length}")
         if isinstance(memo_size, bool) or not isinstance(memo_size, int) or memo_size < 0:
             raise ValueError(f"memo_size must be a non-negative integer; got {memo_size!r}")
+        if isinstance(pad_grid, bool) or not isinstance(pad_grid, int) or pad_grid < 0:
+            raise ValueError(f"pad_grid must be a non-negative integer; got {pad_grid!r}")
         check_backend(backend)
         torch = _import_torch()
         from tokenizers import Tokenizer
@@ -160,6 +165,7 @@ class Embedder:
         self.cache = cache
         self.backend = resolve(backend)
         self.memo_size = memo_size
+        self.pad_grid = pad_grid
         self._memo: OrderedDict[str, np.ndarray] = OrderedDict()
         self._memo_lock = threading.Lock()
         self._torch = torch
@@ -250,8 +256,9 @@ class Embedder:
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
             try:
-                for rows in length_batches([len(e.ids) for e in enc], self.batch_size):
-                    feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, self._pad_id).items()}
+                for rows in length_batches([len(e.ids) for e in enc], self.batch_size, self.pad_grid):
+                    feed = {k: torch.from_numpy(v)
+                            for k, v in padded(enc, rows, self._pad_id, self.pad_grid).items()}
                     feed["token_type_ids"].zero_()
                     hidden = self._model(**feed).last_hidden_state.float()
                     m = feed["attention_mask"].unsqueeze(-1).to(hidden.dtype)

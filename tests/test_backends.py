@@ -195,3 +195,20 @@ def test_adaptive_reranking_skips_decisive_questions_and_says_so(tmp_path):
         reranker.skip_rule = None
         with pytest.raises(ValueError, match="skip_rule"):
             engine.retrieve(questions[0])
+
+
+def test_a_rows_result_does_not_depend_on_what_it_is_batched_with(texts):
+    """The server's dynamic batchers mix requests: a request must get the numbers it would get alone (bit for bit),
+    whatever the backend."""
+    from certrag.rerank import CrossEncoderReranker
+
+    for backend in ("float32", "auto"):
+        e = Embedder(backend=backend, memo_size=0, batch_size=4)
+        alone = np.stack([e.embed([t])[0] for t in texts[:6]])
+        mixed = e.embed(texts[:6] + texts[10:20])[:6]
+        np.testing.assert_array_equal(alone, mixed)
+        r = CrossEncoderReranker(backend=backend)
+        q1, q2 = "who founded the city", "what is the population"
+        a = r.cross_scores([q1] * 8, texts[:8])
+        b = r.cross_scores([q1] * 8 + [q2] * 9, texts[:8] + texts[8:17])[:8]
+        np.testing.assert_array_equal(a, b)
