@@ -122,8 +122,8 @@ def make_reranker(backend: str, threads: int):
         def cross_scores(self, questions, passages, batch_size=8):
             enc = base._tokenizer.encode_batch(list(zip(questions, passages)))
             out = np.zeros(len(passages), np.float32)
-            for rows in length_batches([len(e.ids) for e in enc], batch_size):
-                out[rows] = sess.run(None, padded(enc, rows))[0][:, 0]
+            for rows in length_batches([len(e.ids) for e in enc], batch_size, base.pad_grid):
+                out[rows] = sess.run(None, padded(enc, rows, 0, base.pad_grid))[0][:, 0]
             return out
 
     return OnnxReranker()
@@ -145,8 +145,8 @@ def make_embedder(backend: str, threads: int):
         def _embed_uncached(self, texts):
             enc = self._tokenizer.encode_batch(texts)
             out = np.zeros((len(texts), self.dim), np.float32)
-            for rows in length_batches([len(e.ids) for e in enc], self.batch_size):
-                feed = padded(enc, rows, self._pad_id)
+            for rows in length_batches([len(e.ids) for e in enc], self.batch_size, self.pad_grid):
+                feed = padded(enc, rows, self._pad_id, self.pad_grid)
                 feed["token_type_ids"][:] = 0
                 hidden = sess.run(None, feed)[0]
                 m = feed["attention_mask"][..., None].astype(np.float32)
