@@ -276,7 +276,24 @@ class Engine:
         with self._write_lock:
             return self._remove(doc_ids)
 
-    def _remove(self, doc_ids: Sequence[str] | str) -> int:
+    def upsert(self, documents: object, progress: bool = True) -> BuildReport:
+        """add() where a document whose id the store holds replaces it: its old chunks go and the new text is
+        indexed, in one new store version (readers see the old document or the new one, never neither)."""
+        self._writable()
+        docs = load_documents(documents)
+        with self._write_lock:
+            present = [d.id for d in docs if d.id in self._data.documents]
+            try:
+                if present:
+                    self._remove(present, commit=False)
+                return self._ingest(docs, progress)
+            except BaseException:
+                if present:  # memory goes back to the version on disk (the old documents)
+                    self._data = read_store(self.path, mmap=False)
+                    self._publish()
+                raise
+
+    def _remove(self, doc_ids: Sequence[str] | str, commit: bool = True) -> int:
         if isinstance(doc_ids, str):
             doc_ids = [doc_ids]
         doc_ids = list(dict.fromkeys(doc_ids))
@@ -291,7 +308,8 @@ class Engine:
         data.ids, data.vectors = data.ids[keep], data.vectors[keep]
         going = set(doc_ids)
         data.documents = {k: v for k, v in data.documents.items() if k not in going}
-        self._commit()
+        if commit:
+            self._commit()
         return len(gone)
 
     # ------------------------------------------------------------------------------------------------ reading

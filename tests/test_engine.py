@@ -403,3 +403,17 @@ def test_async_twins_run_beside_the_event_loop_and_the_cli_removes(store, leads)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["selected"] == 3 and gone not in [c["doc_id"] for c in got["candidates"]]
+
+
+def test_upsert_replaces_in_one_version(store, leads):
+    engine, path = store
+    doc = leads[5]
+    report = engine.upsert([{"id": doc["id"], "text": "Zebulon Quux is a fictional violinist from Oslo."},
+                            {"id": "new:1", "text": "Brand new text about glaciers in Patagonia."}])
+    assert report.documents == 2
+    _consistent(engine)
+    hit = engine.retrieve("Who is Zebulon Quux?")
+    assert hit.doc_ids[0] == doc["id"] and "Zebulon" in hit.texts[0]
+    assert not any(doc["text"][:40] in t for t in engine.retrieve(doc["text"][:80]).texts)  # the old text is gone
+    with Engine.open(path, read_only=True) as again:  # on disk too, in one version
+        assert again.info()["documents"] == 31 and again.retrieve("Who is Zebulon Quux?").doc_ids[0] == doc["id"]
