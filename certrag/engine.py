@@ -71,7 +71,7 @@ class Engine:
         changed afterwards. Assigning it to self._view is the moment readers switch versions."""
         data = self._data
         self._view = StoreView(index=data.index, chunks=list(data.chunks),
-                               position={int(c): i for i, c in enumerate(data.ids)})
+                               position={int(c): i for i, c in enumerate(data.ids)}, documents=data.documents)
         return self._view
 
     # ------------------------------------------------------------------------------------------- construction
@@ -487,25 +487,28 @@ class Engine:
         return await asyncio.to_thread(self.answer, question, strategy, **kwargs)
 
     def retrieve(self, question: str, *, candidates: int | None = None, selector=None,
-                 rerank: bool | str | None = None) -> Retrieval:
+                 rerank: bool | str | None = None, where=None) -> Retrieval:
         """Embeds, searches, reranks and selects for one question (a non-empty string); see retrieve_batch."""
         if not isinstance(question, str):
             raise ValueError(f"question must be a string; got {type(question).__name__} (for several questions "
                              "use retrieve_batch)")
         if not question.strip():
             raise ValueError("question must be a non-empty string")
-        return self.retrieve_batch([question], candidates=candidates, selector=selector, rerank=rerank)[0]
+        return self.retrieve_batch([question], candidates=candidates, selector=selector, rerank=rerank,
+                                   where=where)[0]
 
     def retrieve_batch(self, questions: Sequence[str], *, candidates: int | None = None, selector=None,
-                       rerank: bool | str | None = None) -> list[Retrieval]:
+                       rerank: bool | str | None = None, where=None) -> list[Retrieval]:
         """One Retrieval per question, embedded and searched as one batch.
 
         candidates overrides config.retrieval.candidates (N); selector overrides the configured selector; rerank=False
-        skips the cross-encoder for this call (the dense scores then rank and feed the selector). Asking for more
-        candidates than the store holds returns what it has.
+        skips the cross-encoder for this call (the dense scores then rank and feed the selector), True forces it,
+        "adaptive" follows the reranker's skip rule. where={"key": value or [values]} keeps only chunks of documents
+        whose metadata match (searching deeper until N match). Asking for more candidates than the store holds
+        returns what it has.
         """
         if isinstance(questions, str):
             raise ValueError("questions must be a list of strings; for one question use retrieve")
         questions = check_questions(questions)
         return self._retriever.retrieve_batch(self._view, questions, candidates=candidates, selector=selector,
-                                              rerank=rerank)
+                                              rerank=rerank, where=where)

@@ -62,9 +62,28 @@ class StoreView:
     index: HnswIndex
     chunks: Sequence[dict]
     position: Mapping[int, int]
+    documents: Mapping[str, dict] = field(default_factory=dict)  # doc id -> {"metadata": ..., ...}
 
     def __len__(self) -> int:
         return len(self.chunks)
+
+
+def check_where(where) -> dict | None:
+    """A metadata filter: {key: value} (equal) or {key: [values]} (any of them); all keys must match."""
+    if where is None:
+        return None
+    if not isinstance(where, Mapping) or not where:
+        raise ValueError("where must be a non-empty mapping of metadata keys to a value or a list of values")
+    out = {}
+    for k, v in where.items():
+        if not isinstance(k, str):
+            raise ValueError(f"where: keys must be strings; got {k!r}")
+        out[k] = tuple(v) if isinstance(v, (list, tuple, set, frozenset)) else (v,)
+    return out
+
+
+def _matches(metadata: Mapping, where: dict) -> bool:
+    return all(k in metadata and metadata[k] in allowed for k, allowed in where.items())
 
 
 def check_questions(questions: Sequence[str]) -> list[str]:
@@ -74,6 +93,12 @@ def check_questions(questions: Sequence[str]) -> list[str]:
         if not isinstance(q, str) or not q.strip():
             raise ValueError(f"questions: question[{i}] must be a non-empty string")
     return questions
+
+
+@dataclass(frozen=True)
+class _Found:
+    ids: list
+    scores: list
 
 
 class Retriever:
@@ -87,12 +112,15 @@ class Retriever:
         self.config = config
 
     def retrieve_batch(self, view: StoreView, questions: Sequence[str], *, candidates: int | None = None,
-                       selector: Selector | None = None, rerank: bool | str | None = None) -> list[Retrieval]:
+                       selector: Selector | None = None, rerank: bool | str | None = None,
+                       where: Mapping | None = None) -> list[Retrieval]:
         """One Retrieval per question (validated by the caller). candidates overrides config.retrieval.candidates
         (N); selector overrides the configured selector; rerank: None follows the config, False skips the
         cross-encoder (the dense scores then rank and feed the selector), True always runs it, "adaptive" runs it
         only where the reranker's skip rule says the dense ranking is not decisive. Asking for more candidates than
-        the store holds returns what it has."""
+        the store holds returns what it has. where: a metadata filter (check_where): the index is searched
+        deeper (until N matching chunks are found or the whole store has been searched) and only chunks of
+        matching documents are candidates; the trace says how deep (where_searched)."""
         n_cand = candidates if candidates is not None else self.config.retrieval.candidates
         if isinstance(n_cand, bool) or not isinstance(n_cand, int) or n_cand < 1:
             raise ValueError(f"candidates must be a positive integer; got {n_cand!r}")
@@ -114,14 +142,48 @@ class Retriever:
         t0 = time.perf_counter()
         q_vec = self.embedder.embed(list(questions))
         t1 = time.perf_counter()
+        where = check_where(where)
         k = max(1, min(n_cand, len(view.index)))
         ef = max(self.config.index.ef_search, k)
         found = view.index.search(q_vec, k=k, ef=ef)
+        depth = [k] * len(questions)
+        if where is not None:
+            found, depth = self._filtered(view, q_vec, found, where, n_cand)
         t2 = time.perf_counter()
         embed_ms, search_ms = (t1 - t0) * 1e3 / len(questions), (t2 - t1) * 1e3 / len(questions)
         reranker = self.reranker if rerank is not False else None
-        return [self._one(view, q, found.ids[qi], found.scores[qi], reranker, selector, embed_ms, search_ms, skip_gap)
-                for qi, q in enumerate(questions)]
+        out = [self._one(view, q, found.ids[qi], found.scores[qi], reranker, selector, embed_ms, search_ms, skip_gap)
+               for qi, q in enumerate(questions)]
+        if where is not None:
+            for r, d in zip(out, depth):
+                r.trace["where_searched"] = d
+        return out
+
+    def _filtered(self, view: StoreView, q_vec: np.ndarray, found, where: dict, n_cand: int):
+        """Per question, the first n_cand hits whose document matches `where`, searching 4x deeper each round."""
+        ids_out, scores_out, depth = [], [], []
+        for qi in range(len(q_vec)):
+            k = min(len(view.index), max(4 * n_cand, 64))
+            while True:
+                hit = view.index.search(q_vec[qi:qi + 1], k=k, ef=max(self.config.index.ef_search, k))
+                ids, scores = hit.ids[0], hit.scores[0]
+                keep = []
+                for j, c in enumerate(ids):
+                    pos = view.position.get(int(c))
+                    if pos is None:
+                        continue
+                    doc = view.documents.get(view.chunks[pos]["doc_id"], {})
+                    if _matches(doc.get("metadata") or {}, where):
+                        keep.append(j)
+                        if len(keep) == n_cand:
+                            break
+                if len(keep) == n_cand or k >= len(view.index):
+                    break
+                k = min(len(view.index), k * 4)
+            ids_out.append(ids[keep])
+            scores_out.append(scores[keep])
+            depth.append(k)
+        return _Found(ids_out, scores_out), depth
 
     def _one(self, view: StoreView, question: str, ids: np.ndarray, dense: np.ndarray, reranker, selector,
              embed_ms: float, search_ms: float, skip_gap: float | None = None) -> Retrieval:

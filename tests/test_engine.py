@@ -417,3 +417,24 @@ def test_upsert_replaces_in_one_version(store, leads):
     assert not any(doc["text"][:40] in t for t in engine.retrieve(doc["text"][:80]).texts)  # the old text is gone
     with Engine.open(path, read_only=True) as again:  # on disk too, in one version
         assert again.info()["documents"] == 31 and again.retrieve("Who is Zebulon Quux?").doc_ids[0] == doc["id"]
+
+
+def test_metadata_filter_keeps_only_matching_documents(tmp_path, leads):
+    docs = [dict(d, metadata={"group": "even" if i % 2 == 0 else "odd", "i": i}) for i, d in enumerate(leads[:30])]
+    with Engine.build(docs, tmp_path / "s", FAST, progress=False) as engine:
+        q = docs[3]["metadata"].get("description") or docs[3]["id"][5:]
+        allowed = {d["id"] for d in docs if d["metadata"]["group"] == "even"}
+        r = engine.retrieve(q, where={"group": "even"})
+        assert r.doc_ids and set(r.doc_ids) <= allowed
+        assert docs[3]["id"] not in r.doc_ids
+        # the oracle: the unfiltered ranking over the whole store, restricted to the allowed documents
+        everything = engine.retrieve(q, candidates=len(engine), rerank=False)
+        want = [c for c, d in zip(everything.chunk_ids.tolist(), everything.doc_ids) if d in allowed][:8]
+        got = engine.retrieve(q, where={"group": "even"}, rerank=False)
+        assert got.chunk_ids.tolist() == want
+        r = engine.retrieve(q, where={"i": [3, 5]})
+        assert set(r.doc_ids) <= {docs[3]["id"], docs[5]["id"]} and docs[3]["id"] in r.doc_ids
+        assert engine.retrieve(q, where={"group": "none"}).doc_ids == ()
+        for bad in ({}, "group", {1: "x"}):
+            with pytest.raises(ValueError, match="where"):
+                engine.retrieve(q, where=bad)

@@ -125,6 +125,8 @@ class RetrieveRequest(Strict):
     question: Text = Field(min_length=1, max_length=8000)
     candidates: int | None = Field(default=None, ge=1, le=1000)
     rerank: bool | Literal["adaptive"] | None = None
+    where: dict[str, str | int | bool | list[str | int | bool]] | None = Field(
+        default=None, description="metadata filter: {key: value} or {key: [values]}")
     certify: bool = False
     timeout: float | None = Field(default=None, gt=0, le=86400, allow_inf_nan=False)
 
@@ -602,7 +604,7 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         cancel = threading.Event()
 
         def work():
-            r = engine.retrieve(req.question, candidates=req.candidates, rerank=req.rerank)
+            r = engine.retrieve(req.question, candidates=req.candidates, rerank=req.rerank, where=req.where)
             out = r.to_dict()
             if req.certify:
                 out["certification"] = engine.certify(r).to_dict()
