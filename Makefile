@@ -28,7 +28,18 @@ $(READER_STAMP): $(STAMP)
 demo: $(READER_STAMP)
 	$(PY) -m certrag.cli demo
 
-test: $(STAMP)
+# The web page's test drives Debian's headless Chromium; it is installed here when missing and apt can.
+BROWSER_STAMP := $(VENV)/.certrag-browser
+$(BROWSER_STAMP): $(STAMP)
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get install -y -q chromium chromium-driver >/dev/null || { apt-get update -q >/dev/null && \
+	    apt-get install -y -q chromium chromium-driver >/dev/null; }; \
+	  else echo "chromium/chromedriver missing and not installable here: the browser test will skip"; fi; \
+	fi
+	touch $(BROWSER_STAMP)
+
+test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q
 
 bench-deps: $(STAMP)

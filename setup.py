@@ -45,5 +45,6 @@ setup(
     packages=[*find_packages(include=["certrag", "certrag.*"]), "certrag.kernels"],
     package_data={"certrag.segment": ["data/*.safetensors", "data/*.json"],
                   "certrag.certify": ["models/*.json"],
+                  "certrag.serve": ["static/*.html"],
                   "certrag": ["_core.pyi", "py.typed", "reranker/*.json", "reranker/*.safetensors"]},
 )

@@ -361,3 +361,57 @@ def test_schemathesis_finds_no_server_errors_or_schema_violations(store):
     errors = {s.labels["status"]: s.value for s in counts if s.labels["status"].startswith("5")
               and s.labels["status"] != "504" and s.value > 0}
     assert not errors, errors
+
+
+def test_the_web_page_streams_an_answer_with_its_evidence_in_a_real_browser(server, store):
+    """Headless Chromium (the system's, through Selenium and chromedriver) on `/`: ask, watch the answer stream in,
+    then check the page against the same question asked over HTTP. A screenshot is kept in benchmarks/results/."""
+    import shutil
+    from pathlib import Path
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip("needs Debian's chromium and chromium-driver (.ci/run installs them)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,1000"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        browser.get(server + "/")
+        wait = WebDriverWait(browser, 120)
+        wait.until(lambda b: "ready" in b.find_element(By.ID, "status").text)
+        browser.find_element(By.ID, "key").send_keys(KEY)
+        browser.find_element(By.ID, "question").send_keys("Who was Albert Einstein?")
+        browser.find_element(By.ID, "go").click()
+        seen = set()
+
+        def finished(b):
+            seen.add(b.find_element(By.ID, "answer").text)  # the answer as it grows
+            return b.find_element(By.ID, "answer-meta").text
+
+        wait.until(finished)
+        rows = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#candidates tbody tr")]
+        shown_answer = browser.find_element(By.ID, "answer").text
+        cut = browser.find_element(By.ID, "cut").text
+        stages = browser.find_element(By.ID, "stages").text
+        out = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+        out.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(out / "serve_page.png"))
+    finally:
+        browser.quit()
+    want = json.loads(_post(server, "/v1/answer", {"question": "Who was Albert Einstein?"})[2])
+    retrieved = json.loads(_post(server, "/v1/retrieve", {"question": "Who was Albert Einstein?"})[2])
+    assert shown_answer.strip() == want["answer"]
+    assert len(rows) == len(retrieved["candidates"]) == 8
+    assert [r.split()[1] for r in rows] == [c["doc_id"].split()[0] for c in retrieved["candidates"]]
+    assert cut.startswith(f"{retrieved['selected']} of 8 candidates selected")
+    assert "embed" in stages and "rerank" in stages and "generate" in stages
+    assert len(seen) >= 2  # it grew: streamed, not shown at once

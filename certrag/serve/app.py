@@ -31,7 +31,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from certrag.strategies import STRATEGY_NAMES
 
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/models", "/v1/embeddings")
-OPEN_ROUTES = ("/health", "/ready")
+OPEN_ROUTES = ("/", "/health", "/ready")  # exact paths, open without the API key (the page asks for the key)
+STATIC = __import__("pathlib").Path(__file__).resolve().parent / "static"
 
 
 # ------------------------------------------------------------------------------------------------------ config
@@ -451,6 +452,11 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
 
     # ---- routes -----------------------------------------------------------------------------------------------
 
+    @app.get("/", include_in_schema=False)
+    def page():
+        """A page to ask questions and watch the answer stream in with its evidence (no build step, no CDN)."""
+        return Response((STATIC / "index.html").read_bytes(), media_type="text/html; charset=utf-8")
+
     @app.get("/health")
     def health() -> dict:
         return {"status": "ok"}
@@ -708,7 +714,7 @@ class _Guard:
 
         try:
             headers = dict(scope.get("headers") or [])
-            if config.api_key and not path.startswith(OPEN_ROUTES):
+            if config.api_key and path not in OPEN_ROUTES:
                 auth = headers.get(b"authorization", b"").decode("latin-1")
                 if not _same(auth, f"Bearer {config.api_key}"):
                     metrics.rejected.labels("unauthorized").inc()
