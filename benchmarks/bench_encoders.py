@@ -317,6 +317,7 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int) 
     if not CrossEncoderReranker().skip_rule:
         del paths["default + adaptive reranking"]
     lat = {n: [] for n in paths}
+    stage_ms = {n: {k: [] for k in ("embed_ms", "search_ms", "rerank_ms", "select_ms")} for n in paths}
     skipped = {n: 0 for n in paths}
     for n, r in paths.items():
         r.retrieve_batch(view, [questions[0]])
@@ -326,12 +327,15 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int) 
             got = r.retrieve_batch(view, [q])[0]
             lat[n].append(time.perf_counter() - t)
             skipped[n] += bool(got.trace.get("rerank_skipped"))
+            for k in stage_ms[n]:
+                stage_ms[n][k].append(got.trace[k])
     base = float(np.median(lat[next(iter(paths))]))
     for n in paths:
         med = float(np.median(lat[n]))
         out["retrieve"].append({"path": n, "chunks": len(engine), "queries": len(questions), "p50_ms": med * 1e3,
                                 "p90_ms": float(np.percentile(lat[n], 90)) * 1e3, "ratio": med / base,
-                                "skip_rate": skipped[n] / len(questions)})
+                                "skip_rate": skipped[n] / len(questions),
+                                "stage_mean_ms": {k: float(np.mean(v)) for k, v in stage_ms[n].items()}})
         print(f"retrieve {n}: {med * 1e3:.1f} ms ({med / base:.2f} of today)", file=sys.stderr)
     engine.close()
 

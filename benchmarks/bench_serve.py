@@ -297,6 +297,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     try:
+        if args.no_write:
+            raise ImportError  # a trial run writes nothing, the plot included
         import matplotlib
 
         matplotlib.use("Agg")

@@ -332,7 +332,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(store):
     assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
 
 
-def test_schemathesis_finds_no_server_errors_or_schema_violations(store):
+def test_schemathesis_finds_no_server_errors_or_schema_violations(store, tmp_path):
     """A short property-based run over /openapi.json: every response has a documented status and shape and no
     request makes a 5xx. Generation is capped by a short server deadline (504 is documented)."""
     import shutil
@@ -350,7 +350,7 @@ def test_schemathesis_finds_no_server_errors_or_schema_violations(store):
                               "--exclude-checks", "not_a_server_error,positive_data_acceptance,"
                               "missing_required_header,unsupported_method,ignored_auth", "--phases",
                               "examples,fuzzing", "--request-timeout", "30", "--generation-deterministic",
-                              "--no-color"], capture_output=True, text=True, timeout=600)
+                              "--no-color"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     finally:
