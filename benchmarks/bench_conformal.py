@@ -181,7 +181,7 @@ def main() -> None:
         "correct candidate among the trusted ones, over all test questions; conditional: over those whose "
         "candidates hold one (the guaranteed quantity); m1: at least one trusted; m2: mean fraction of the "
         f"{args.candidates} candidates trusted; retrieval recall: a correct candidate among all {args.candidates} "
-        f"(the ceiling on coverage). Calibration plot: `{plot.relative_to(_common.ROOT)}`.\n",
+        f"(the ceiling on coverage).\n\n![coverage against alpha](results/{plot.name})\n",
         _common.markdown_table(
             ["retriever", "alpha", "1-alpha", "s_thres", "left out", "coverage", "conditional", "m1", "m2",
              "mean trusted", "context tokens", "retrieval recall", "verdict"],

@@ -195,7 +195,8 @@ def summarise(rows, args) -> str:
              f"median of {args.repeats} runs after a warm-up; single-query latency over {args.single_queries} "
              f"queries. All libraries ran in one process, interleaved (rotating order per repeat and per query) so "
              f"that machine noise and cache pressure fall on all alike. hnswlib-nonative shares hnswlib's module "
-             f"name, so it ran in a second process beside a second certrag build; its table is separate.\n"]
+             f"name, so it ran in a second process beside a second certrag build; its table is separate.\n",
+             "![recall@10 against batch QPS over the ef sweep](results/hnsw_recall_qps.png)\n"]
     lines.append("Build time:\n")
     lines.append(_common.markdown_table(
         ["library", "build s", "ratio to hnswlib"],

@@ -173,28 +173,7 @@ def main() -> None:
                                "mb_per_min": mb / dt * 60})
 
 
-    plot = None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for family, style in (("topk", "o-"), ("gradient", "s"), ("autocut", "^"), ("topp", "D")):
-            pts = [c for c in curve if c["family"] == family]
-            ax.plot([c["context_tokens"] for c in pts], [c["gold_recall"] for c in pts], style, label=family)
-        ax.axhline(top5["gold_recall"], color="grey", lw=0.8, ls="--")
-        ax.set_xlabel("mean context tokens sent")
-        ax.set_ylabel("gold-passage recall of the selected set")
-        ax.set_title(f"NQ-open test ({len(items)} questions), reranked top-{args.candidates}")
-        ax.legend()
-        fig.tight_layout()
-        plot = _common.RESULTS_DIR / "retrieval_selection.png"
-        plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(plot, dpi=110)
-    except ImportError:
-        pass
+    plot = _common.RESULTS_DIR / "retrieval_selection.png"  # drawn by plots.py from the rows written below
 
     meta = _common.meta({"bench": "bench_retrieval", "corpus_documents": len(corpus), "chunks": len(engine),
                          "questions": len(items), "reranker": reranker.card.get("name"),
@@ -218,7 +197,7 @@ def main() -> None:
                                [[q["method"], q["recall@1"], q["recall@3"], q["recall@5"], q["recall@10"],
                                  q["recall@20"], q["mrr@10"]] for q in quality]),
         "\nSelection over the reranked candidates: gold-passage recall of the selected set against the mean "
-        "context tokens sent" + (f" (plot: `{plot.relative_to(_common.ROOT)}`)" if plot else "") + ":\n",
+        "context tokens sent:\n", f"![gold recall against context tokens, every selector](results/{plot.name})\n",
         _common.markdown_table(["selector", "gold recall", "mean tokens", "mean chunks"],
                                [[c["method"], c["gold_recall"], c["context_tokens"], c["chunks"]] for c in curve]),
         f"\nTuned on the train split ({len(train_items)} questions, the same store): gradient g={g_t} min_k={mk_t} is "
@@ -244,6 +223,14 @@ def main() -> None:
     if not args.no_write:
         _common.write_rows("bench_retrieval", quality + curve + [tuned] + latency + throughput, meta)
         _common.update_results_md("bench_retrieval", text)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        import plots
+
+        plots.selection(plt)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""The pictures RESULTS.md shows, drawn from the recorded rows in benchmarks/results/*.json (no benchmark reruns):
+
+- hnsw_recall_qps.png: recall@10 against batch queries per second over the ef sweep, certrag and each baseline
+  (bench_index);
+- retrieval_selection.png: gold recall against mean context tokens for top-k and every selector, each point
+  labelled with its setting (bench_retrieval);
+- retrieve_stages.png: where a query's time goes, per retrieval path (bench_encoders' speed part).
+
+    python benchmarks/plots.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+
+def _rows(name: str) -> list[dict]:
+    path = _common.RESULTS_DIR / f"{name}.json"
+    return json.loads(path.read_text())["rows"] if path.exists() else []
+
+
+def hnsw(plt) -> Path | None:
+    rows = [r for r in _rows("bench_index") if r.get("what") == "hnsw_search"]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for lib in sorted({r["library"] for r in rows}):
+        pts = sorted((r for r in rows if r["library"] == lib), key=lambda r: r["recall_at_10"])
+        ax.plot([r["recall_at_10"] for r in pts], [r["batch_qps"] for r in pts], "o-", label=lib, ms=4)
+    ax.set_yscale("log")
+    ax.set_xlabel("recall@10")
+    ax.set_ylabel("batch queries / s (2 threads)")
+    n = rows[0]["params"]
+    ax.set_title(f"HNSW, {n['n']:,} x {n['dim']}-d, M={n['M']}: the ef sweep")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = _common.RESULTS_DIR / "hnsw_recall_qps.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def selection(plt) -> Path | None:
+    rows = [r for r in _rows("bench_retrieval") if r.get("what") == "selection"]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {"topk": "o-", "gradient": "s", "autocut": "^", "topp": "D"}
+    for family, style in styles.items():
+        pts = [r for r in rows if r["family"] == family]
+        if not pts:
+            continue
+        ax.plot([r["context_tokens"] for r in pts], [r["gold_recall"] for r in pts], style, label=family, ms=4)
+        for r in pts:
+            label = re.sub(r"^top-(\d+)$", r"k\1", r["method"].replace("gradient ", "").replace("min_k=", "m"))
+            ax.annotate(label, (r["context_tokens"], r["gold_recall"]), fontsize=6, xytext=(3, -7),
+                        textcoords="offset points")
+    ax.set_xlabel("mean context tokens sent")
+    ax.set_ylabel("gold-passage recall of the selected set")
+    ax.set_title("NQ-open test: what each selector keeps, at what cost")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = _common.RESULTS_DIR / "retrieval_selection.png"
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def stages(plt) -> Path | None:
+    path = _common.RESULTS_DIR / "bench_encoders.json"
+    if not path.exists():
+        return None
+    speed = json.loads(path.read_text())["rows"][0].get("speed", {})
+    rows = [r for r in speed.get("retrieve", []) if "stage_mean_ms" in r]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    names = ["embed_ms", "search_ms", "rerank_ms", "select_ms"]
+    left = [0.0] * len(rows)
+    for name in names:
+        vals = [r["stage_mean_ms"][name] for r in rows]
+        ax.barh(range(len(rows)), vals, left=left, label=name.replace("_ms", ""))
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_yticks(range(len(rows)), [r["path"] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("mean ms per query")
+    ax.set_title(f"retrieve() on the {rows[0]['chunks']:,}-chunk NQ store, by stage")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = _common.RESULTS_DIR / "retrieve_stages.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for draw in (hnsw, selection, stages):
+        out = draw(plt)
+        plt.close("all")
+        print(f"{draw.__name__}: {out.relative_to(_common.ROOT) if out else 'no rows yet'}")
+
+
+if __name__ == "__main__":
+    main()
