@@ -418,7 +418,7 @@ class Engine:
         self._llm = value
 
     def answer(self, question: str, strategy="plain", *, answer_options: AnswerOptions | None = None,
-               llm=None, retrieval: Retrieval | None = None, **fields) -> Answer:
+               llm=None, retrieval: Retrieval | None = None, on_text=None, cancelled=None, **fields) -> Answer:
         """Retrieves, then answers with a strategy: a name from certrag.strategies.STRATEGY_NAMES (plain,
         chain_of_note, self_rag, feedback = SAGE's loop around plain, feedback:<name> around another) or a
         strategy object such as SelfRag(delta=0.5) or Feedback(ChainOfNote()). The feedback loop re-selects from
@@ -435,9 +435,10 @@ class Engine:
         and fills Answer.confidence with the factuality classifier's P(supported) (engine.factuality; by default
         the one shipped for the model).
 
-        llm: the model for this call only (default: engine.llm), e.g. a per-request wrapper that streams or can be
-        cancelled. retrieval: a Retrieval of this question already made (engine.retrieve), used instead of
-        retrieving again."""
+        llm: the model for this call only (default: engine.llm). on_text(piece): called with the text of every model
+        call of this answer as it is decoded (Chain-of-Note's notes, then the answer; a remote model's text arrives
+        whole); cancelled(): polled before every token, stops the call's decoding when true. retrieval: a Retrieval
+        of this question already made (engine.retrieve), used instead of retrieving again."""
         from certrag.strategies import make_strategy
 
         if answer_options is not None and fields:
@@ -448,6 +449,10 @@ class Engine:
         if opts.max_new_tokens is not None:
             chosen = chosen.with_max_new_tokens(opts.max_new_tokens)
         llm = self.llm if llm is None else llm
+        if on_text is not None or cancelled is not None:
+            from certrag.llm.calls import CallView
+
+            llm = CallView(llm, on_text=on_text, cancelled=cancelled)
         classifier = self._factuality_for(llm) if opts.confidence else None
         t0 = time.perf_counter()
         if retrieval is not None and retrieval.question != question:

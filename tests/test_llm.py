@@ -73,3 +73,21 @@ def test_batched_generation_matches_one_by_one(llm):
         assert b.mean_logprob == pytest.approx(s.mean_logprob, abs=1e-3)
     with pytest.raises(ValueError, match="batch_size"):
         llm.generate_batch(chats, batch_size=0)
+
+
+def test_stream_yields_the_answer_as_it_is_decoded_and_stops_when_left(smollm):
+    messages = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
+    whole = smollm.generate(messages, max_new_tokens=40)
+    stream = smollm.stream(messages, max_new_tokens=40)
+    pieces = list(stream)
+    assert len(pieces) > 5 and "".join(pieces).strip() == whole.text == stream.generation.text
+    early = smollm.stream(messages, max_new_tokens=200)
+    for i, _ in enumerate(early):
+        if i == 3:
+            break
+    assert early.generation.finish_reason == "cancelled" and early.generation.output_tokens < 20
+    with pytest.raises(ValueError, match="on_text"):
+        smollm.stream(messages, on_text=print)
+    # stop strings end the text before them, streamed or not
+    cut = smollm.generate(messages, max_new_tokens=40, stop=["5"])
+    assert cut.finish_reason == "stop" and cut.text == whole.text[: whole.text.index("5")].strip()

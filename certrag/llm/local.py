@@ -35,6 +35,47 @@ class Generation:
     token_logprobs: tuple[float, ...] = ()  # each generated token's log-probability, as mean_logprob's
 
 
+class TextStream:
+    """The pieces of one generation as they are decoded (see LocalLLM.stream); iterate once."""
+
+    def __init__(self, llm, messages, kwargs) -> None:
+        import queue
+
+        self.generation: Generation | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._args = (llm, messages, kwargs)
+        self._started = False
+
+    def _work(self) -> None:
+        llm, messages, kwargs = self._args
+        try:
+            self.generation = llm.generate(messages, on_text=lambda piece: self._queue.put(("piece", piece)),
+                                           cancelled=self._stop.is_set, **kwargs)
+            self._queue.put(("done", None))
+        except BaseException as exc:  # handed to the iterating thread
+            self._queue.put(("error", exc))
+
+    def __iter__(self):
+        if self._started:
+            raise RuntimeError("a TextStream is iterated once")
+        self._started = True
+        worker = threading.Thread(target=self._work, daemon=True, name="certrag-stream")
+        worker.start()
+        try:
+            while True:
+                kind, value = self._queue.get()
+                if kind == "piece":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            self._stop.set()
+            worker.join()
+
+
 class _Watcher:
     """A stopping criterion for one sequence that streams text deltas, ends at stop strings and honours
     cancellation. transformers calls it after every generated token with the whole sequence so far (any callable
@@ -215,6 +256,15 @@ class LocalLLM:
                           seconds=time.perf_counter() - started, finish_reason=finish,
                           lookback=rec.finish() if rec is not None else None, mean_logprob=_mean(logprobs),
                           token_ids=tuple(new), token_logprobs=logprobs)
+
+    def stream(self, messages: list[dict], **kwargs) -> "TextStream":
+        """generate() as an iterator of text pieces, decoded in a worker thread: `for piece in llm.stream(m): ...`;
+        the finished Generation is then `stream.generation`. Leaving the loop early (break, an exception) stops the
+        decoding at its next token. Takes generate()'s keywords except on_text and cancelled."""
+        for name in ("on_text", "cancelled"):
+            if name in kwargs:
+                raise ValueError(f"stream() sets {name} itself")
+        return TextStream(self, messages, kwargs)
 
     def generate_batch(self, messages_list: list[list[dict]], *, max_new_tokens: int = 128,
                        temperature: float = 0.0, seed: int | None = None, batch_size: int = 8,

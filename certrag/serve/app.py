@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 from fastapi import Request  # at module level: the routes' annotations are resolved in this module's namespace
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from certrag.llm.calls import CallView, Cancelled
 from certrag.strategies import STRATEGY_NAMES
 
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/models", "/v1/embeddings")
@@ -248,46 +249,16 @@ class GenerationQueue:
             self.metrics.queue.set(self._count)
 
     def run(self, fn, cancel: threading.Event):
-        """fn() on the model, after the requests ahead of it; raises _Cancelled when cancelled while waiting."""
+        """fn() on the model, after the requests ahead of it; raises Cancelled when cancelled while waiting."""
         while not self._model.acquire(timeout=0.05):
             if cancel.is_set():
-                raise _Cancelled()
+                raise Cancelled()
         try:
             if cancel.is_set():
-                raise _Cancelled()
+                raise Cancelled()
             return fn()
         finally:
             self._model.release()
-
-
-class _Cancelled(Exception):
-    pass
-
-
-class _CallLLM:
-    """The shared model seen by one request: every generate() of this call streams to on_text and stops when the
-    request's cancel event is set. Per-request state lives here, never on the model."""
-
-    def __init__(self, llm, cancel: threading.Event, on_text=None) -> None:
-        self._llm = llm
-        self._cancel = cancel
-        self._on_text = on_text
-
-    def generate(self, messages, **kwargs):
-        if self._cancel.is_set():
-            raise _Cancelled()
-        local = getattr(self._llm, "records_lookback", False)  # a LocalLLM: streams and stops per token
-        if local:
-            kwargs.setdefault("cancelled", self._cancel.is_set)
-            if self._on_text is not None:
-                kwargs.setdefault("on_text", self._on_text)
-        g = self._llm.generate(messages, **kwargs)
-        if not local and self._on_text is not None and g.text:
-            self._on_text(g.text)  # a remote model answers whole: one piece
-        return g
-
-    def __getattr__(self, name):
-        return getattr(self._llm, name)
 
 
 # ------------------------------------------------------------------------------------------------------ the app
@@ -516,7 +487,8 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
 
             def work(emit):
                 t = time.perf_counter()
-                g = queue.run(lambda: _CallLLM(llm, cancel, on_text=emit).generate(messages, **kwargs), cancel)
+                view = CallView(llm, on_text=emit, cancelled=cancel.is_set)
+                g = queue.run(lambda: view.generate(messages, **kwargs), cancel)
                 metrics.stage.labels("generate").observe(time.perf_counter() - t)
                 return g
 
@@ -543,7 +515,8 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         def work_once():
             try:
                 t = time.perf_counter()
-                g = queue.run(lambda: _CallLLM(llm, cancel).generate(messages, **kwargs), cancel)
+                view = CallView(llm, cancelled=cancel.is_set)
+                g = queue.run(lambda: view.generate(messages, **kwargs), cancel)
                 metrics.stage.labels("generate").observe(time.perf_counter() - t)
                 return g
             finally:
@@ -551,7 +524,7 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
 
         try:
             g = await run_with_deadline(request, work_once, seconds, cancel)
-        except _Cancelled:
+        except Cancelled:
             raise ApiError(504, "the request was cancelled before it ran", kind="timeout") from None
         return {"id": cid, "object": "chat.completion", "created": created, "model": name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": g.text},
@@ -636,10 +609,10 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
             observe_trace(r.trace)
             if emit is not None:
                 emit({"event": "retrieval", "data": r.to_dict()})
-            call_llm = _CallLLM(llm, cancel, on_text=(lambda d: emit({"event": "token", "data": d}))
-                                if emit is not None else None)
+            on_text = (lambda d: emit({"event": "token", "data": d})) if emit is not None else None
             t = time.perf_counter()
-            a = queue.run(lambda: engine.answer(req.question, llm=call_llm, retrieval=r, **fields), cancel)
+            a = queue.run(lambda: engine.answer(req.question, retrieval=r, on_text=on_text, cancelled=cancel.is_set,
+                                                **fields), cancel)
             metrics.stage.labels("generate").observe(time.perf_counter() - t)
             return a.to_dict()
 
@@ -668,7 +641,7 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
 
         try:
             return await run_with_deadline(request, once, seconds, cancel)
-        except _Cancelled:
+        except Cancelled:
             raise ApiError(504, "the request was cancelled before it ran", kind="timeout") from None
         except (ValueError, FileNotFoundError) as exc:
             raise ApiError(400, str(exc)) from None
