@@ -241,7 +241,7 @@ def quality(backends: list[str], limit: int, threads: int, partial: dict) -> dic
 # -------------------------------------------------------------------------------------------------------- speed
 
 
-def speed(backends: list[str], threads: int, n_questions: int, index_docs: int) -> dict:
+def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, scale_store: bool) -> dict:
     import numpy as np
 
     from certrag.config import EngineConfig, RetrievalConfig
@@ -249,7 +249,6 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int) 
     from certrag.embed import Embedder
     from certrag.engine import Engine
     from certrag.rerank import CrossEncoderReranker
-    from certrag.retrieval import Retriever
 
     from _nq import nq_store
     from bench_scale import scale_corpus
@@ -263,7 +262,7 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int) 
 
     out = {"rerank": [], "embed": [], "retrieve": [], "indexing": []}
     rerankers = {b: make_reranker(b, threads) for b in backends}
-    rerankers["float32, padded (today)"] = CrossEncoderReranker(backend="float32", batch_size=32)
+    rerankers["float32, padded (today)"] = CrossEncoderReranker(backend="float32", batch_size=32, pad_grid=0)
     names = list(rerankers)
     for label, pool in (("12.7k store passages", cand), ("32-token chunks", short)):
         times = {n: [] for n in names}
@@ -302,42 +301,26 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int) 
                              "speedup_bulk": float(np.median(bulk["float32"]) / np.median(bulk[n]))})
         print(f"embed {n}: {out['embed'][-1]}", file=sys.stderr)
 
-    # retrieve() end to end on the 12.7k store: the engine's Retriever over the store view, as engine.retrieve runs
-    cfg = engine.config
-    paths = {
-        "today: float32, pairs padded to the longest": Retriever(
-            Embedder(backend="float32", memo_size=0), CrossEncoderReranker(backend="float32"),
-            cfg.replace(encoder_backend="float32", retrieval=RetrievalConfig(candidates=20, rerank_batch=32))),
-        "default: auto backend, length-sorted batches of 8": Retriever(
-            Embedder(memo_size=0), CrossEncoderReranker(), cfg.replace(retrieval=RetrievalConfig(candidates=20))),
-        "default + adaptive reranking": Retriever(
-            Embedder(memo_size=0), CrossEncoderReranker(),
-            cfg.replace(retrieval=RetrievalConfig(candidates=20, adaptive_rerank=True))),
-    }
-    if not CrossEncoderReranker().skip_rule:
-        del paths["default + adaptive reranking"]
-    lat = {n: [] for n in paths}
-    stage_ms = {n: {k: [] for k in ("embed_ms", "search_ms", "rerank_ms", "select_ms")} for n in paths}
-    skipped = {n: 0 for n in paths}
-    for n, r in paths.items():
-        r.retrieve_batch(view, [questions[0]])
-    for q in questions:
-        for n, r in paths.items():
-            t = time.perf_counter()
-            got = r.retrieve_batch(view, [q])[0]
-            lat[n].append(time.perf_counter() - t)
-            skipped[n] += bool(got.trace.get("rerank_skipped"))
-            for k in stage_ms[n]:
-                stage_ms[n][k].append(got.trace[k])
-    base = float(np.median(lat[next(iter(paths))]))
-    for n in paths:
-        med = float(np.median(lat[n]))
-        out["retrieve"].append({"path": n, "chunks": len(engine), "queries": len(questions), "p50_ms": med * 1e3,
-                                "p90_ms": float(np.percentile(lat[n], 90)) * 1e3, "ratio": med / base,
-                                "skip_rate": skipped[n] / len(questions),
-                                "stage_mean_ms": {k: float(np.mean(v)) for k, v in stage_ms[n].items()}})
-        print(f"retrieve {n}: {med * 1e3:.1f} ms ({med / base:.2f} of today)", file=sys.stderr)
+    # retrieve() end to end: the engine's Retriever over the store view, as engine.retrieve runs
+    out["retrieve"] += compare_paths(engine, questions, "NQ store")
     engine.close()
+    if scale_store:
+        from bench_scale import small_chunk_config
+
+        store = _common.DATA_DIR / "scale_store"
+        corpus = scale_corpus()
+        big = None
+        if (store / "CURRENT").exists():
+            big = Engine.open(store, read_only=True, embedder=Embedder(memo_size=0))
+            if big.config.replace(encoder_backend="auto") != small_chunk_config() or \
+                    len(big.documents) != len(corpus):
+                big.close()
+                big = None
+        if big is None:
+            print("building bench_scale's store of short chunks (once)", file=sys.stderr)
+            big = Engine.build(corpus, store, small_chunk_config(), embedder=Embedder(), overwrite=True)
+        out["retrieve"] += compare_paths(big, questions, "bench_scale store (32-token chunks)")
+        big.close()
 
     # indexing with SAGE on an evenly spaced sample of bench_scale's corpus, no embedding cache
     import tempfile
@@ -360,7 +343,7 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int) 
 
     for name in ("today: float32, one document at a time, no memo", "default: auto backend, batched, each text once"):
         today = name.startswith("today")
-        emb = Embedder(backend="float32", memo_size=0) if today else Embedder()
+        emb = Embedder(backend="float32", memo_size=0, pad_grid=0) if today else Embedder()
         config = EngineConfig(encoder_backend=emb.backend.requested, retrieval=RetrievalConfig(rerank=False))
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
@@ -374,6 +357,56 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int) 
                                 "mb_per_min": mb / dt * 60})
         print(f"indexing {name}: {mb / dt * 60:.3f} MB/min", file=sys.stderr)
     return out
+
+
+def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
+    """retrieve() p50 for today's path (float32, a call's pairs padded to the longest), the default path and the
+    default with adaptive reranking, interleaved question by question on one store."""
+    import numpy as np
+
+    from certrag.config import RetrievalConfig
+    from certrag.embed import Embedder
+    from certrag.rerank import CrossEncoderReranker
+    from certrag.retrieval import Retriever
+
+    view, cfg = engine._view, engine.config
+    cand = cfg.retrieval.candidates
+    paths = {
+        "today: float32, pairs padded to the longest": Retriever(
+            Embedder(backend="float32", memo_size=0, pad_grid=0),
+            CrossEncoderReranker(backend="float32", pad_grid=0),
+            cfg.replace(encoder_backend="float32", retrieval=RetrievalConfig(candidates=cand, rerank_batch=32))),
+        "default: auto backend, length-sorted batches on a padding grid": Retriever(
+            Embedder(memo_size=0), CrossEncoderReranker(), cfg.replace(retrieval=RetrievalConfig(candidates=cand))),
+        "default + adaptive reranking": Retriever(
+            Embedder(memo_size=0), CrossEncoderReranker(),
+            cfg.replace(retrieval=RetrievalConfig(candidates=cand, adaptive_rerank=True))),
+    }
+    if not CrossEncoderReranker().skip_rule:
+        del paths["default + adaptive reranking"]
+    lat = {n: [] for n in paths}
+    stage_ms = {n: {k: [] for k in ("embed_ms", "search_ms", "rerank_ms", "select_ms")} for n in paths}
+    skipped = {n: 0 for n in paths}
+    for n, r in paths.items():
+        r.retrieve_batch(view, [questions[0]])
+    for q in questions:
+        for n, r in paths.items():
+            t = time.perf_counter()
+            got = r.retrieve_batch(view, [q])[0]
+            lat[n].append(time.perf_counter() - t)
+            skipped[n] += bool(got.trace.get("rerank_skipped"))
+            for k in stage_ms[n]:
+                stage_ms[n][k].append(got.trace[k])
+    base = float(np.median(lat[next(iter(paths))]))
+    rows = []
+    for n in paths:
+        med = float(np.median(lat[n]))
+        rows.append({"store": label, "path": n, "chunks": len(engine), "queries": len(questions),
+                     "p50_ms": med * 1e3, "p90_ms": float(np.percentile(lat[n], 90)) * 1e3, "ratio": med / base,
+                     "skip_rate": skipped[n] / len(questions),
+                     "stage_mean_ms": {k: float(np.mean(v)) for k, v in stage_ms[n].items()}})
+        print(f"retrieve {label} {n}: {med * 1e3:.1f} ms ({med / base:.2f} of today)", file=sys.stderr)
+    return rows
 
 
 def _save(partial: dict) -> None:
@@ -431,11 +464,13 @@ def report(partial: dict, meta: dict) -> str:
                                          [[x["backend"], x["candidates"], x["p50_ms"], x["speedup"]]
                                           for x in s["rerank"]])]
     if s.get("retrieve"):
-        lines += [f"\n`retrieve` end to end on the {s['retrieve'][0]['chunks']:,}-chunk NQ store "
-                  f"({s['retrieve'][0]['queries']} test questions, one caller, paths interleaved):\n",
-                  _common.markdown_table(["path", "p50 ms", "p90 ms", "p50 / today", "rerank skipped"],
-                                         [[x["path"], x["p50_ms"], x["p90_ms"], x["ratio"], x["skip_rate"]]
-                                          for x in s["retrieve"]])]
+        lines += [f"\n`retrieve` end to end ({s['retrieve'][0]['queries']} NQ-open test questions, one caller, the "
+                  "paths interleaved question by question; ratio against today's path on the same store):\n",
+                  _common.markdown_table(["store", "chunks", "path", "p50 ms", "p90 ms", "p50 / today",
+                                          "rerank skipped"],
+                                         [[x.get("store", "NQ store"), x["chunks"], x["path"], x["p50_ms"],
+                                           x["p90_ms"], x["ratio"], x["skip_rate"]] for x in s["retrieve"]]),
+                  "\n![retrieve time by stage](results/retrieve_stages.png)\n"]
     if s.get("indexing"):
         base = s["indexing"][0]["mb_per_min"]
         lines += [f"\nIndexing with SAGE, no embedding cache, {s['indexing'][0]['documents']} documents evenly "
@@ -454,6 +489,8 @@ def main() -> None:
     p.add_argument("--questions", type=int, default=0, help="test questions for quality (0 = all)")
     p.add_argument("--speed-questions", type=int, default=100)
     p.add_argument("--index-docs", type=int, default=600)
+    p.add_argument("--scale-store", action="store_true",
+                   help="also compare retrieve() on bench_scale's >= 100k-chunk store (built once if missing)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fresh", action="store_true", help="forget the partial results of earlier runs")
     p.add_argument("--no-write", action="store_true")
@@ -468,7 +505,7 @@ def main() -> None:
         quality(backends, args.questions, args.threads, partial)
         partial.setdefault("meta", {})["quality"] = _common.meta()
     elif args.part == "speed":
-        partial["speed"] = speed(backends, args.threads, args.speed_questions, args.index_docs)
+        partial["speed"] = speed(backends, args.threads, args.speed_questions, args.index_docs, args.scale_store)
         partial.setdefault("meta", {})["speed"] = _common.meta()
     _save(partial)
     metas = partial.get("meta", {})
