@@ -521,6 +521,14 @@ def main() -> None:
     if not args.no_write:
         _common.write_rows("bench_encoders", [partial], meta)
         _common.update_results_md("bench_encoders", text)
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        import plots
+
+        plots.stages(plt)
 
 
 if __name__ == "__main__":
