@@ -24,7 +24,10 @@ def nq_store(embedder, reranker):
     if (store / "CURRENT").exists():
         # Read-only: several benchmark workers may hold it at once.
         engine = Engine.open(store, read_only=True, embedder=embedder, reranker=reranker)
-        if engine.config == config and len(engine.documents) == len(corpus):
+        # what the store holds depends on these fields only (retrieval and selection settings are per call)
+        built = ("chunker", "segmenter", "embedder", "index")
+        if all(getattr(engine.config, f) == getattr(config, f) for f in built) and \
+                len(engine.documents) == len(corpus):
             return engine, corpus
         engine.close()
     return Engine.build(corpus, store, config, embedder=embedder, reranker=reranker, overwrite=True), corpus

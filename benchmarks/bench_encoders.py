@@ -187,7 +187,7 @@ def _test_candidates(limit: int):
     return engine, corpus, items, cands
 
 
-def quality(backends: list[str], limit: int, threads: int, partial: dict) -> dict:
+def quality(backends: list[str], limit: int, threads: int, partial: dict, save: bool = True) -> dict:
     import numpy as np
 
     from certrag.segment import Segmenter
@@ -233,7 +233,8 @@ def quality(backends: list[str], limit: int, threads: int, partial: dict) -> dic
                    "seconds": time.perf_counter() - t0}
         print(f"{b}: MRR@10 {rows[b]['mrr10']:.4f} R@1 {rows[b]['r1']:.4f} recall@5 {recall5:.4f} "
               f"seg F1 {f1:.4f} ({rows[b]['seconds']:.0f} s)", file=sys.stderr)
-        _save(partial)
+        if save:
+            _save(partial)
     engine.close()
     return rows
 
@@ -502,12 +503,13 @@ def main() -> None:
         p.error(f"--backends: unknown {sorted(unknown)}; choose from {', '.join(ALL)}")
     partial = {} if args.fresh or not PARTIAL.exists() else json.loads(PARTIAL.read_text())
     if args.part == "quality":
-        quality(backends, args.questions, args.threads, partial)
+        quality(backends, args.questions, args.threads, partial, save=not args.no_write)
         partial.setdefault("meta", {})["quality"] = _common.meta()
     elif args.part == "speed":
         partial["speed"] = speed(backends, args.threads, args.speed_questions, args.index_docs, args.scale_store)
         partial.setdefault("meta", {})["speed"] = _common.meta()
-    _save(partial)
+    if not args.no_write:
+        _save(partial)
     metas = partial.get("meta", {})
     meta = metas.get("speed") or metas.get("quality") or _common.meta()
     text = report(partial, meta)

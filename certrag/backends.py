@@ -118,26 +118,35 @@ def grid_width(length: int, grid: int) -> int:
     return -(-length // grid) * grid if grid > 0 else length
 
 
-def length_batches(lengths: Sequence[int], batch_size: int, grid: int = 0) -> Iterator[np.ndarray]:
+def length_batches(lengths: Sequence[int], batch_size: int, grid: int = 0,
+                   max_tokens: int | None = None) -> Iterator[np.ndarray]:
     """Indices of rows in batches of at most batch_size, sorted by length (longest first, so that a memory problem
     shows in the first batch), so that each batch pads only to its own longest row.
 
     grid > 0: every row is padded to its length rounded up to a multiple of grid, and a batch holds rows of one
     padded width only. A row's result then depends on its own text alone, not on what it is batched with (a
     forward pass gives each row the same numbers whatever the batch size when no row is padded beyond its own
-    width), so the dynamic batcher's answers are the ones a request gets alone."""
+    width), so the dynamic batcher's answers are the ones a request gets alone. max_tokens: a batch also stops
+    before its rows x padded width passes this (short rows go many to a batch, long ones few)."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    budget = max_tokens if max_tokens is not None else np.iinfo(np.int64).max
     if grid <= 0:
         order = np.argsort(-lengths, kind="stable")
-        for start in range(0, len(order), batch_size):
-            yield order[start:start + batch_size]
+        start = 0
+        while start < len(order):  # longest first: the first row of a batch is its width
+            end = start + 1
+            while end < len(order) and end - start < batch_size and (end - start + 1) * lengths[order[start]] <= budget:
+                end += 1
+            yield order[start:end]
+            start = end
         return
     widths = -(-lengths // grid) * grid
     order = np.lexsort((np.arange(len(lengths)), -widths))
     start = 0
     while start < len(order):
-        end = start + 1
-        while end < len(order) and end - start < batch_size and widths[order[end]] == widths[order[start]]:
+        end, width = start + 1, widths[order[start]]
+        while (end < len(order) and end - start < batch_size and widths[order[end]] == width
+               and (end - start + 1) * width <= budget):
             end += 1
         yield order[start:end]
         start = end

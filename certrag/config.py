@@ -50,7 +50,7 @@ class RetrievalConfig:
 
     candidates: int = 20
     rerank: bool = True
-    rerank_batch: int = 8
+    rerank_batch: int = 32
     adaptive_rerank: bool = False
 
     def __post_init__(self) -> None:

@@ -212,3 +212,16 @@ def test_a_rows_result_does_not_depend_on_what_it_is_batched_with(texts):
         a = r.cross_scores([q1] * 8, texts[:8])
         b = r.cross_scores([q1] * 8 + [q2] * 9, texts[:8] + texts[8:17])[:8]
         np.testing.assert_array_equal(a, b)
+
+
+def test_length_batches_keep_to_the_token_budget():
+    lengths = [100, 90, 30, 30, 30, 30, 10]
+    for grid in (0, 16):
+        batches = list(length_batches(lengths, 32, grid, max_tokens=128))
+        assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+        for b in batches:
+            width = max(lengths[i] for i in b)
+            width = -(-width // grid) * grid if grid else width
+            assert len(b) == 1 or len(b) * width <= 128
+    # short rows go several to a batch, long ones alone
+    assert [len(b) for b in length_batches(lengths, 32, 16, max_tokens=128)] == [1, 1, 4, 1]
