@@ -46,7 +46,7 @@ class RetrievalConfig:
     rerank_batch: (question, passage) pairs per cross-encoder forward pass (length-sorted, each batch padded to its
     own longest pair); adaptive_rerank: skip the cross-encoder for a question whose dense ranking is already
     decisive (the reranker card's skip_rule, fitted on the train split; the trace says whether a question was
-    reranked, and a skipped question is ranked and cut on its cosines)."""
+    reranked, and a skipped question keeps the dense order and is cut on w * cos, the fused score's dense term)."""
 
     candidates: int = 20
     rerank: bool = True

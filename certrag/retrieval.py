@@ -199,6 +199,7 @@ class Retriever:
         gap = float(dense[0] - dense[1]) if len(dense) > 1 else None
         skipped = reranker is not None and skip_gap is not None and gap is not None and gap >= skip_gap
         reranker_name = getattr(reranker, "name", None) if reranker is not None else None
+        dense_weight = float(getattr(reranker, "dense_weight", 0.0) or 0.0) if reranker is not None else 0.0
         if skipped:
             reranker = None
         if reranker is not None and len(ids):
@@ -206,6 +207,12 @@ class Retriever:
                                            batch_size=self.config.retrieval.rerank_batch).astype(np.float32)
             order = np.argsort(-rerank_scores, kind="stable")
             ranked, kind = rerank_scores[order], "logit"
+        elif skipped and dense_weight > 0:
+            # cut on the fused score's dense term, w * cos: the logit scale the selector sees for a reranked
+            # question (on bare cosines the gradient rule would keep max_k chunks of a decisive ranking)
+            rerank_scores = np.full(len(ids), np.nan, dtype=np.float32)
+            order = np.arange(len(ids))
+            ranked, kind = (dense_weight * dense).astype(np.float32), "logit"
         else:
             rerank_scores = np.full(len(ids), np.nan, dtype=np.float32)
             order = np.arange(len(ids))

@@ -183,8 +183,13 @@ def test_adaptive_reranking_skips_decisive_questions_and_says_so(tmp_path):
         for a, r in zip(adaptive, always):
             skip = r.trace["dense_gap"] >= reranker.skip_rule["threshold"]
             assert a.trace["rerank_skipped"] is skip and a.trace["reranked"] is (not skip)
-            if skip:  # dense order, no logits
+            if skip:  # dense order, no logits; cut on w * cos, the fused score's dense term
                 assert np.all(np.isnan(a.rerank_scores)) and np.all(np.diff(a.dense_scores) <= 0)
+                w = reranker.dense_weight * a.dense_scores.astype(np.float64)
+                keep = 1
+                while keep < min(10, len(w)) and w[keep - 1] - w[keep] < np.log(1.5):
+                    keep += 1
+                assert a.selected == keep
             else:
                 np.testing.assert_allclose(a.rerank_scores, r.rerank_scores, atol=1e-5)
         assert 0 < sum(a.trace["rerank_skipped"] for a in adaptive) < len(questions)
