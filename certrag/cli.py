@@ -385,6 +385,8 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
 @click.option("--max-batch", default=64, show_default=True, help="Items per shared encoder forward pass.")
 @click.option("--max-wait-ms", default=2.0, show_default=True, help="How long a batcher waits for more requests.")
 @click.option("--queue-depth", default=16, show_default=True, help="Generations queued or running; more get 429.")
+@click.option("--encoder-depth", default=32, show_default=True,
+              help="Retrieve / rerank / embeddings requests in flight; more get 429.")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
               help="Default per-request deadline in seconds (504 after it; also the drain time on SIGTERM).")
 @click.option("--api-key", envvar="CERTRAG_API_KEY", default=None,
@@ -392,8 +394,8 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
 @click.option("--serialize", is_flag=True, hidden=True,
               help="Benchmark baseline: handle one request at a time, as the server used to.")
 def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: str | None, llm_model: str,
-          max_body_bytes: int, max_batch: int, max_wait_ms: float, queue_depth: int, timeout_s: float,
-          api_key: str | None, serialize: bool) -> None:
+          max_body_bytes: int, max_batch: int, max_wait_ms: float, queue_depth: int, encoder_depth: int,
+          timeout_s: float, api_key: str | None, serialize: bool) -> None:
     """Serve the OpenAI routes (/v1/chat/completions, /v1/models, /v1/embeddings), /v1/rerank and, with STORE,
     /v1/retrieve and /v1/answer; /health, /ready and /metrics."""
     import uvicorn
@@ -402,7 +404,8 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
 
     try:
         config = ServeConfig(host=host, port=port, max_body_bytes=max_body_bytes, max_batch=max_batch,
-                             max_wait_ms=max_wait_ms, queue_depth=queue_depth, timeout_s=timeout_s, api_key=api_key,
+                             max_wait_ms=max_wait_ms, queue_depth=queue_depth, encoder_depth=encoder_depth,
+                             timeout_s=timeout_s, api_key=api_key,
                              serialize=serialize)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None

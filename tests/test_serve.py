@@ -76,7 +76,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(store):
-    proc, url = _start(store, "--queue-depth", "3", "--max-wait-ms", "5")
+    proc, url = _start(store, "--queue-depth", "3", "--encoder-depth", "2", "--max-wait-ms", "5")
     yield url
     _stop(proc)
 
@@ -264,6 +264,26 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(server):
     assert all(s in (200, 429) for s in codes), codes
     assert codes.count(429) >= 1 and codes.count(200) >= 3  # queue depth 3
     assert all(ra for s, ra in statuses if s == 429)
+
+
+def test_retrieval_overload_gets_429_too(server):
+    statuses, lock = [], threading.Lock()
+
+    def one(i):
+        status, headers, _ = _post(server, "/v1/retrieve", {"question": f"question number {i} about art"})
+        with lock:
+            statuses.append((status, headers.get("Retry-After")))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = [s for s, _ in statuses]
+    assert all(s in (200, 429) for s in codes), codes
+    assert codes.count(429) >= 1 and codes.count(200) >= 2  # encoder depth 2
+    assert all(ra for s, ra in statuses if s == 429)
+    assert _ready(server)["encoder_requests"] == 0
 
 
 def _queue_empties(url, within=10.0) -> bool:

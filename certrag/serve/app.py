@@ -43,9 +43,10 @@ STATIC = __import__("pathlib").Path(__file__).resolve().parent / "static"
 class ServeConfig:
     """host: bind address (loopback unless told otherwise); max_body_bytes: request bodies over this get 413;
     max_batch / max_wait_ms: the encoders' dynamic batchers; queue_depth: generations queued or running at once
-    (more get 429); timeout_s: the default per-request deadline (a request may ask for less with its `timeout`
-    field or an X-Request-Timeout header), after which it gets 504 and its work stops; api_key: when set, every route
-    but /health and /ready needs `Authorization: Bearer <key>`."""
+    (more get 429); encoder_depth: retrieve / rerank / embeddings requests in flight at once (more get 429);
+    timeout_s: the default per-request deadline (a request may ask for less with its `timeout` field or an
+    X-Request-Timeout header), after which it gets 504 and its work stops; api_key: when set, every route but /,
+    /health and /ready needs `Authorization: Bearer <key>`."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -53,12 +54,13 @@ class ServeConfig:
     max_batch: int = 64
     max_wait_ms: float = 2.0
     queue_depth: int = 16
+    encoder_depth: int = 32
     timeout_s: float = 120.0
     api_key: str | None = None
     serialize: bool = False  # a baseline for benchmarks only: one request at a time, as the server used to run
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_body_bytes", "max_batch", "queue_depth"):
+        for name in ("port", "max_body_bytes", "max_batch", "queue_depth", "encoder_depth"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "port" else 1):
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
@@ -206,6 +208,8 @@ class Metrics:
         self.batch_requests = Histogram("certrag_batch_requests", "requests per dynamic-batcher run", ["model"],
                                         buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.queue = Gauge("certrag_generation_queue", "generations queued or running", registry=self.registry)
+        self.encoder_requests = Gauge("certrag_encoder_requests", "retrieve / rerank / embeddings requests in flight",
+                                      registry=self.registry)
         self.tokens = Counter("certrag_tokens_total", "tokens in and out of the model", ["kind"],
                               registry=self.registry)
         self.rejected = Counter("certrag_rejected_total", "requests refused", ["reason"], registry=self.registry)
@@ -223,30 +227,47 @@ class Metrics:
 # ------------------------------------------------------------------------------------------------- generation
 
 
-class GenerationQueue:
-    """At most `depth` generations queued or running; the model runs one at a time, in arrival order. A waiting
-    request whose cancel event is set leaves the queue without running."""
+class Gate:
+    """At most `depth` requests of one kind in flight; the next gets 429 with Retry-After, so a burst costs a
+    refusal, never an unbounded queue."""
 
-    def __init__(self, depth: int, metrics: Metrics) -> None:
+    def __init__(self, depth: int, what: str, gauge, rejected) -> None:
         self.depth = depth
-        self.metrics = metrics
+        self.what = what
+        self._gauge = gauge
+        self._rejected = rejected
         self._count = 0
         self._count_lock = threading.Lock()
-        self._model = threading.Lock()
 
     def admit(self) -> None:
         with self._count_lock:
             if self._count >= self.depth:
-                self.metrics.rejected.labels("queue_full").inc()
-                raise ApiError(429, f"the generation queue is full ({self.depth}); retry later",
+                self._rejected.labels("queue_full").inc()
+                raise ApiError(429, f"{self.what} is full ({self.depth} in flight); retry later",
                                kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
             self._count += 1
-            self.metrics.queue.set(self._count)
+            self._gauge.set(self._count)
 
     def release(self) -> None:
         with self._count_lock:
             self._count -= 1
-            self.metrics.queue.set(self._count)
+            self._gauge.set(self._count)
+
+    def __enter__(self) -> "Gate":
+        self.admit()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class GenerationQueue(Gate):
+    """At most `depth` generations queued or running; the model runs one at a time, in arrival order. A waiting
+    request whose cancel event is set leaves the queue without running."""
+
+    def __init__(self, depth: int, metrics: Metrics) -> None:
+        super().__init__(depth, "the generation queue", metrics.queue, metrics.rejected)
+        self._model = threading.Lock()
 
     def run(self, fn, cancel: threading.Event):
         """fn() on the model, after the requests ahead of it; raises Cancelled when cancelled while waiting."""
@@ -280,6 +301,7 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         config = ServeConfig(**{**config.__dict__, "max_body_bytes": max_body_bytes})
     metrics = Metrics()
     queue = GenerationQueue(config.queue_depth, metrics)
+    encoders = Gate(config.encoder_depth, "the encoder queue", metrics.encoder_requests, metrics.rejected)
     embedder = reranker = None
     if engine is not None:
         embedder = BatchingEmbedder(engine._embedder, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
@@ -436,7 +458,8 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
     def ready():
         ok = state["ready"]
         body = {"ready": ok, "model": getattr(llm, "name", None), "store": str(engine.path) if engine else None,
-                "queue": queue._count, "queue_depth": config.queue_depth}
+                "queue": queue._count, "queue_depth": config.queue_depth, "encoder_requests": encoders._count,
+                "encoder_depth": config.encoder_depth}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", responses={**CERTRAG_ERRORS, 200: {"content": {"text/plain": {}},
@@ -538,7 +561,8 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         if not texts or len(texts) > 2048:
             raise ApiError(400, "input must hold 1 to 2048 strings", param="input")
         t = time.perf_counter()
-        vectors = embedder.embed(texts)
+        with encoders:
+            vectors = embedder.embed(texts)
         metrics.stage.labels("embed").observe(time.perf_counter() - t)
         tokens = int(embedder.count_tokens(texts).sum())
         if req.encoding_format == "base64":
@@ -557,9 +581,10 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         if reranker is None:
             raise ApiError(404, "this store has no reranker (retrieval.rerank is off)")
         t = time.perf_counter()
-        vectors = embedder.embed([req.query] + list(req.documents))
-        dense = vectors[1:] @ vectors[0]
-        scores = reranker.score(req.query, list(req.documents), dense)
+        with encoders:
+            vectors = embedder.embed([req.query] + list(req.documents))
+            dense = vectors[1:] @ vectors[0]
+            scores = reranker.score(req.query, list(req.documents), dense)
         metrics.stage.labels("rerank").observe(time.perf_counter() - t)
         order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))[: req.top_n or len(scores)]
         results = []
@@ -590,8 +615,17 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
             observe_trace(r.trace)
             return out
 
+        seconds = deadline(request, req.timeout)
+        encoders.admit()
+
+        def work_once():
+            try:
+                return work()
+            finally:
+                encoders.release()
+
         try:
-            return await run_with_deadline(request, work, deadline(request, req.timeout), cancel)
+            return await run_with_deadline(request, work_once, seconds, cancel)
         except (ValueError, FileNotFoundError) as exc:
             raise ApiError(400, str(exc)) from None
 
