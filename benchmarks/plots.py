@@ -80,14 +80,15 @@ def stages(plt) -> Path | None:
     rows = [r for r in speed.get("retrieve", []) if "stage_mean_ms" in r]
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(8.5, 1.2 + 0.45 * len(rows)))
+    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.55 * len(rows)))
     names = ["embed_ms", "search_ms", "rerank_ms", "select_ms"]
     left = [0.0] * len(rows)
     for name in names:
         vals = [r["stage_mean_ms"][name] for r in rows]
         ax.barh(range(len(rows)), vals, left=left, label=name.replace("_ms", ""))
         left = [a + b for a, b in zip(left, vals)]
-    ax.set_yticks(range(len(rows)), [f"{r.get('store', 'NQ store')}: {r['path']}" for r in rows], fontsize=6)
+    labels = [f"{r.get('store', 'NQ store')}\n{r['path']}" for r in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=6.5)
     ax.invert_yaxis()
     ax.set_xlabel("mean ms per query")
     ax.set_title("retrieve(), mean time per stage")
