@@ -301,6 +301,7 @@ def main() -> None:
                  [[x["server"], x["route"], x["clients"], x["throughput_rps"], x["p50_ms"], x["p90_ms"], x["p99_ms"],
                    x.get("ttft_p50_ms", "-"), " ".join(f"{k}:{v}" for k, v in sorted(x["statuses"].items())),
                    f"{x['same_as_serialised']:.0%}" if "same_as_serialised" in x else "-"] for x in rows]),
+             "\n![p50 latency against concurrent clients](results/serve_latency.png)\n",
              _common.footer(meta)]
     text = "\n".join(lines)
     print(text)
