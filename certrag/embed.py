@@ -174,7 +174,7 @@ class Embedder:
         self._model = prepare(model, self.backend.backend)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length)
-        self._tokenizer.no_padding()  # each length-sorted batch is padded to its own longest row (backends.padded)
+        self._tokenizer.no_padding()  # batches are padded by backends.padded, to a grid, after sorting by length
         self._counter = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._counter.no_truncation()
         self._counter.no_padding()

@@ -68,7 +68,7 @@ class CrossEncoderReranker:
         # longest_first trims the passage as only_second would whenever the question is the shorter of the two, and
         # trims a question longer than its passage instead of failing ("Second sequence not long enough")
         self._tokenizer.enable_truncation(max_length, strategy="longest_first")
-        self._tokenizer.no_padding()  # each length-sorted batch is padded to its own longest pair
+        self._tokenizer.no_padding()  # batches are padded by backends.padded, to a grid, after sorting by length
         self._torch = torch
         self.batch_size = batch_size
         self._lock = threading.Lock()
