@@ -53,27 +53,19 @@ def _onnx_session(kind: str, precision: str, threads: int):
     f32 = out / f"{kind}-float32.onnx"
     if not f32.exists():
         if kind == "reranker":
-            model = CrossEncoderReranker(backend="float32")._model
-
-            class Wrapped(torch.nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.m = model
-
-                def forward(self, input_ids, attention_mask, token_type_ids):
-                    return self.m(input_ids=input_ids, attention_mask=attention_mask,
-                                  token_type_ids=token_type_ids).logits
+            model, output = CrossEncoderReranker(backend="float32")._model, "logits"
         else:
-            model = Embedder(backend="float32", memo_size=0)._model
+            model, output = Embedder(backend="float32", memo_size=0)._model, "last_hidden_state"
 
-            class Wrapped(torch.nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.m = model
+        class Wrapped(torch.nn.Module):  # positional inputs and one tensor out, as the exporter wants
+            def __init__(self):
+                super().__init__()
+                self.m = model
 
-                def forward(self, input_ids, attention_mask, token_type_ids):
-                    return self.m(input_ids=input_ids, attention_mask=attention_mask,
-                                  token_type_ids=token_type_ids).last_hidden_state
+            def forward(self, input_ids, attention_mask, token_type_ids):
+                return getattr(self.m(input_ids=input_ids, attention_mask=attention_mask,
+                                      token_type_ids=token_type_ids), output)
+
         x = torch.ones((2, 16), dtype=torch.long)
         names = ["input_ids", "attention_mask", "token_type_ids"]
         tmp = f32.with_suffix(".tmp.onnx")

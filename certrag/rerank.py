@@ -119,13 +119,20 @@ class CrossEncoderReranker:
     def score(self, question: str, passages: list[str], dense_scores: np.ndarray, *,
               batch_size: int | None = None) -> np.ndarray:
         """Fused rerank scores (logits) of passages for one question: float32 (n,)."""
-        dense = np.asarray(dense_scores, dtype=np.float32)
-        if dense.shape != (len(passages),):
-            raise ValueError(f"dense_scores must have shape ({len(passages)},); got {dense.shape}")
-        if not passages:
-            return np.zeros(0, dtype=np.float32)
-        return (self.cross_scores([question] * len(passages), passages, batch_size=batch_size)
-                + self.dense_weight * dense)
+        return fused_scores(self, question, passages, dense_scores, batch_size=batch_size)
+
+
+def fused_scores(reranker, question: str, passages: list[str], dense_scores: np.ndarray, *,
+                 batch_size: int | None = None) -> np.ndarray:
+    """ce(q, p) + w * cos(q, p) for one question's passages, with any object that has cross_scores and
+    dense_weight (the reranker, or the server's batching view of it): float32 (n,)."""
+    dense = np.asarray(dense_scores, dtype=np.float32)
+    if dense.shape != (len(passages),):
+        raise ValueError(f"dense_scores must have shape ({len(passages)},); got {dense.shape}")
+    if not passages:
+        return np.zeros(0, dtype=np.float32)
+    return (reranker.cross_scores([question] * len(passages), list(passages), batch_size=batch_size)
+            + reranker.dense_weight * dense)
 
 
 @lru_cache(maxsize=4)

@@ -136,12 +136,9 @@ class BatchingReranker:
 
     def score(self, question: str, passages: list[str], dense_scores: np.ndarray, *,
               batch_size: int | None = None) -> np.ndarray:
-        dense = np.asarray(dense_scores, dtype=np.float32)
-        if dense.shape != (len(passages),):
-            raise ValueError(f"dense_scores must have shape ({len(passages)},); got {dense.shape}")
-        if not passages:
-            return np.zeros(0, dtype=np.float32)
-        return self.cross_scores([question] * len(passages), list(passages)) + self.inner.dense_weight * dense
+        from certrag.rerank import fused_scores
+
+        return fused_scores(self, question, passages, dense_scores)
 
     def __getattr__(self, name):  # name, dense_weight, skip_rule, identity, card, backend, ...
         return getattr(self.inner, name)
