@@ -247,19 +247,25 @@ def test_api_key_on_every_route_but_health_and_ready(server):
         assert r.status == 200
 
 
-def test_overload_gets_429_with_retry_after_and_no_5xx(server):
+def _at_once(url, path, payloads) -> list[tuple[int, str | None]]:
+    """(status, Retry-After) of each payload, all posted at the same time."""
     statuses, lock = [], threading.Lock()
 
-    def one():
-        status, headers, _ = _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 48})
+    def one(payload):
+        status, headers, _ = _post(url, path, payload)
         with lock:
             statuses.append((status, headers.get("Retry-After")))
 
-    threads = [threading.Thread(target=one) for _ in range(8)]
+    threads = [threading.Thread(target=one, args=(p,)) for p in payloads]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return statuses
+
+
+def test_overload_gets_429_with_retry_after_and_no_5xx(server):
+    statuses = _at_once(server, "/v1/chat/completions", [{"messages": MESSAGES, "max_tokens": 48}] * 8)
     codes = [s for s, _ in statuses]
     assert all(s in (200, 429) for s in codes), codes
     assert codes.count(429) >= 1 and codes.count(200) >= 3  # queue depth 3
@@ -267,18 +273,7 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(server):
 
 
 def test_retrieval_overload_gets_429_too(server):
-    statuses, lock = [], threading.Lock()
-
-    def one(i):
-        status, headers, _ = _post(server, "/v1/retrieve", {"question": f"question number {i} about art"})
-        with lock:
-            statuses.append((status, headers.get("Retry-After")))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    statuses = _at_once(server, "/v1/retrieve", [{"question": f"question number {i} about art"} for i in range(12)])
     codes = [s for s, _ in statuses]
     assert all(s in (200, 429) for s in codes), codes
     assert codes.count(429) >= 1 and codes.count(200) >= 2  # encoder depth 2
