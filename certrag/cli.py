@@ -188,7 +188,8 @@ def _open_engine(store: Path, read_only: bool):
               help="EngineConfig as JSON or YAML (only for a new store).")
 @click.option("--chunker", type=click.Choice(list(CHUNKERS)),
               help="Override the config's chunker (new store only).")
-def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON.")
+def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None, as_json: bool) -> None:
     """Index SRC (files, folders of .txt/.md, or JSONL with id, text, metadata) into a store: creates it, or adds
     to it when it exists."""
     from certrag.config import EngineConfig
@@ -209,6 +210,10 @@ def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker:
                 report = engine.last_report
     except (StoreError, ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps({"store": str(store), "documents": report.documents, "chunks": report.chunks,
+                               "skipped_empty": list(report.skipped_empty), "seconds": report.seconds}))
+        return
     click.echo(f"indexed {report.documents} documents into {report.chunks} chunks in {report.seconds:.1f} s"
                + (f"; skipped {len(report.skipped_empty)} empty" if report.skipped_empty else "") + f" -> {store}")
 

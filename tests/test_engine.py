@@ -229,6 +229,12 @@ def test_cli_index_search_info(tmp_path, leads):
     assert res.exit_code == 0 and json.loads(res.output)["documents"] == 10
     res = runner.invoke(main, ["search", str(tmp_path / "nothing"), "q"])
     assert res.exit_code != 0 and "no store" in res.output
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps(d) + "\n" for d in leads[10:13]))
+    res = runner.invoke(main, ["index", str(more), "--store", str(tmp_path / "s"), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)  # the progress bar goes to stderr
+    assert report["documents"] == 3 and report["chunks"] >= 3 and report["skipped_empty"] == []
 
 
 def test_answer_with_the_real_small_model(store, leads, smollm):
