@@ -108,14 +108,20 @@ def held_out_items(docs: list[tuple]) -> tuple[list[tuple], int]:
     return items, k
 
 
-def boundary_f1(items: list[tuple], predictions: list[list]) -> tuple[float, float, float]:
-    """Boundary precision, recall and F1 (exact sentence position) of predicted chunk lists against the items."""
+def predicted_breaks(s_starts, chunks) -> set[int]:
+    """The sentence index nearest each chunk start after the first (the predicted breaks)."""
     import numpy as np
 
+    hyp = {int(np.argmin(np.abs(s_starts - c.start))) for c in chunks[1:]}
+    hyp.discard(0)
+    return hyp
+
+
+def boundary_f1(items: list[tuple], predictions: list[list]) -> tuple[float, float, float]:
+    """Boundary precision, recall and F1 (exact sentence position) of predicted chunk lists against the items."""
     tp = fp = fn = 0
     for (_, _, _, s_starts, gold), chunks in zip(items, predictions):
-        hyp = {int(np.argmin(np.abs(s_starts - c.start))) for c in chunks[1:]}
-        hyp.discard(0)
+        hyp = predicted_breaks(s_starts, chunks)
         tp += len(hyp & gold)
         fp += len(hyp - gold)
         fn += len(gold - hyp)
@@ -166,8 +172,7 @@ def main() -> None:
         predictions = [chunker.split(it[1]) for it in items]
         elapsed = time.perf_counter() - t0
         for (source, text, sents, s_starts, gold), chunks in zip(items, predictions):
-            hyp = {int(np.argmin(np.abs(s_starts - c.start))) for c in chunks[1:]}
-            hyp.discard(0)
+            hyp = predicted_breaks(s_starts, chunks)
             tp += len(hyp & gold)
             fp += len(hyp - gold)
             fn += len(gold - hyp)

@@ -261,6 +261,17 @@ class Gate:
         self.release()
 
 
+def releasing(fn, gate: Gate):
+    """fn as a call that gives its admitted place in gate back when it ends, however it ends."""
+    def call():
+        try:
+            return fn()
+        finally:
+            gate.release()
+
+    return call
+
+
 class GenerationQueue(Gate):
     """At most `depth` generations queued or running; the model runs one at a time, in arrival order. A waiting
     request whose cancel event is set leaves the queue without running."""
@@ -536,17 +547,14 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         def work_once():
-            try:
-                t = time.perf_counter()
-                view = CallView(llm, cancelled=cancel.is_set)
-                g = queue.run(lambda: view.generate(messages, **kwargs), cancel)
-                metrics.stage.labels("generate").observe(time.perf_counter() - t)
-                return g
-            finally:
-                queue.release()
+            t = time.perf_counter()
+            view = CallView(llm, cancelled=cancel.is_set)
+            g = queue.run(lambda: view.generate(messages, **kwargs), cancel)
+            metrics.stage.labels("generate").observe(time.perf_counter() - t)
+            return g
 
         try:
-            g = await run_with_deadline(request, work_once, seconds, cancel)
+            g = await run_with_deadline(request, releasing(work_once, queue), seconds, cancel)
         except Cancelled:
             raise ApiError(504, "the request was cancelled before it ran", kind="timeout") from None
         return {"id": cid, "object": "chat.completion", "created": created, "model": name,
@@ -617,15 +625,8 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
 
         seconds = deadline(request, req.timeout)
         encoders.admit()
-
-        def work_once():
-            try:
-                return work()
-            finally:
-                encoders.release()
-
         try:
-            return await run_with_deadline(request, work_once, seconds, cancel)
+            return await run_with_deadline(request, releasing(work, encoders), seconds, cancel)
         except (ValueError, FileNotFoundError) as exc:
             raise ApiError(400, str(exc)) from None
 
@@ -667,14 +668,8 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
             return StreamingResponse(body(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        def once():
-            try:
-                return run()
-            finally:
-                queue.release()
-
         try:
-            return await run_with_deadline(request, once, seconds, cancel)
+            return await run_with_deadline(request, releasing(run, queue), seconds, cancel)
         except Cancelled:
             raise ApiError(504, "the request was cancelled before it ran", kind="timeout") from None
         except (ValueError, FileNotFoundError) as exc:
