@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -188,27 +189,45 @@ def _open_engine(store: Path, read_only: bool):
               help="EngineConfig as JSON or YAML (only for a new store).")
 @click.option("--chunker", type=click.Choice(list(CHUNKERS)),
               help="Override the config's chunker (new store only).")
+@click.option("--shards", type=click.IntRange(1, 1024), default=None,
+              help="Split the index into N HNSW shards by document id (new store only; default 1).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Segment and embed on Ray Data workers: alone, a local Ray cluster in this process; with an "
+                   "address, that cluster ('auto': the one this machine belongs to).")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Ray workers (actors), each loading the models once (with --ray).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON.")
-def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None, as_json: bool) -> None:
-    """Index SRC (files, folders of .txt/.md, or JSONL with id, text, metadata) into a store: creates it, or adds
-    to it when it exists."""
+def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None, shards: int | None,
+          ray_address: str | None, workers: int, as_json: bool) -> None:
+    """Index SRC (files, folders of .txt/.md, JSONL or Parquet with id, text, metadata) into a store: creates it,
+    or adds to it when it exists."""
     from certrag.config import EngineConfig
     from certrag.engine import Engine
     from certrag.store import StoreError
 
     try:
+        config = None
         if (store / "CURRENT").exists():
-            if config_path or chunker:
-                raise click.UsageError("--config and --chunker apply to a new store only")
-            with _open_engine(store, read_only=False) as engine:
-                report = engine.add(list(src))
+            if config_path or chunker or shards:
+                raise click.UsageError("--config, --chunker and --shards apply to a new store only")
         else:
             config = EngineConfig.load(config_path) if config_path else EngineConfig()
             if chunker:
                 config = config.replace(chunker=chunker)
+            if shards:
+                config = config.replace(index=dataclasses.replace(config.index, shards=shards))
+        if ray_address is not None:
+            from certrag.scale.indexing import index_on_ray
+
+            with index_on_ray(list(src), store, config, address=ray_address, workers=workers) as engine:
+                report = engine.last_report
+        elif config is None:
+            with _open_engine(store, read_only=False) as engine:
+                report = engine.add(list(src))
+        else:
             with Engine.build(list(src), store, config) as engine:
                 report = engine.last_report
-    except (StoreError, ValueError, FileNotFoundError) as exc:
+    except (StoreError, ValueError, FileNotFoundError, ImportError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps({"store": str(store), "documents": report.documents, "chunks": report.chunks,

@@ -30,10 +30,14 @@ class IndexConfig:
     M: int = 16
     ef_construction: int = 200
     ef_search: int = 64  # per-query breadth; raised to the candidate count when smaller
+    shards: int = 1  # HNSW shards, by a stable hash of the document id (certrag.shards); searched by scatter-gather
 
     def __post_init__(self) -> None:
+        from certrag.shards import check_shards
+
         if self.metric not in ("ip", "l2", "cosine"):
             raise ValueError(f"index.metric must be ip, l2 or cosine; got {self.metric!r}")
+        check_shards(self.shards, "index.shards")
         for name in ("M", "ef_construction", "ef_search"):
             if getattr(self, name) < (2 if name == "M" else 1):
                 raise ValueError(f"index.{name} is too small: {getattr(self, name)}")

@@ -1,4 +1,5 @@
-"""Documents in: strings, files, folders of text/markdown, and JSONL with id, text and metadata."""
+"""Documents in: strings, files, folders of text/markdown, JSONL with id, text and metadata, and Parquet with the
+same columns (metadata a struct or a JSON string; needs pyarrow)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Iterable
 
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst")
+DOCUMENT_SUFFIXES = TEXT_SUFFIXES + (".jsonl", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -27,32 +29,68 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
+def document_from_row(row: object, where: str) -> Document:
+    """A Document from one JSONL line's object or one Parquet row: 'id' and a string 'text' required, 'metadata' an
+    object (or, from Parquet, a JSON string of one) or absent. where names the row in errors."""
+    if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        raise ValueError(f"{where}: each row needs a string field 'text'")
+    doc_id = row.get("id")
+    if doc_id is None:
+        raise ValueError(f"{where}: each row needs an 'id'")
+    metadata = row.get("metadata") or {}
+    if isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}: 'metadata' is a string that is not JSON") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{where}: 'metadata' must be an object")
+    return Document(id=str(doc_id), text=row["text"], metadata=metadata)
+
+
+def document_from_line(line: str, where: str) -> Document | None:
+    """A Document from one JSONL line (None for a blank line)."""
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+    return document_from_row(row, where)
+
+
 def _from_jsonl(path: Path) -> list[Document]:
     docs = []
     for line_no, line in enumerate(_read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise ValueError(f"{path}:{line_no}: each line needs a string field 'text'")
-        doc_id = row.get("id")
-        if doc_id is None:
-            raise ValueError(f"{path}:{line_no}: each line needs an 'id'")
-        metadata = row.get("metadata") or {}
-        if not isinstance(metadata, dict):
-            raise ValueError(f"{path}:{line_no}: 'metadata' must be an object")
-        docs.append(Document(id=str(doc_id), text=row["text"], metadata=metadata))
+        doc = document_from_line(line, f"{path}:{line_no}")
+        if doc is not None:
+            docs.append(doc)
     return docs
+
+
+def _from_parquet(path: Path) -> list[Document]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    rows = pq.read_table(path).to_pylist()
+    return [document_from_row(_without_nulls(row), f"{path}: row {i}") for i, row in enumerate(rows)]
+
+
+def _without_nulls(row: dict) -> dict:
+    """A Parquet row with the keys a struct column fills with null for documents that lack them dropped from its
+    metadata (Arrow gives every row of a struct column every field)."""
+    meta = row.get("metadata")
+    if isinstance(meta, dict):
+        row = {**row, "metadata": {k: v for k, v in meta.items() if v is not None}}
+    return row
 
 
 def _from_path(path: Path, root: Path | None = None) -> list[Document]:
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES + (".jsonl",))
+        files = document_files(path)
         if not files:
-            raise ValueError(f"{path} holds no documents (files ending in {', '.join(TEXT_SUFFIXES + ('.jsonl',))})")
+            raise ValueError(f"{path} holds no documents (files ending in {', '.join(DOCUMENT_SUFFIXES)})")
         out = []
         for f in files:
             out += _from_path(f, path)
@@ -61,15 +99,22 @@ def _from_path(path: Path, root: Path | None = None) -> list[Document]:
         raise FileNotFoundError(f"no such file or folder: {path}")
     if path.suffix.lower() == ".jsonl":
         return _from_jsonl(path)
+    if path.suffix.lower() == ".parquet":
+        return _from_parquet(path)
     name = str(path.relative_to(root)) if root is not None else path.name
     return [Document(id=name, text=_read_text(path), metadata={"source": str(path)})]
+
+
+def document_files(folder: Path) -> list[Path]:
+    """The files of a folder that hold documents, in the order they are indexed (sorted paths)."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in DOCUMENT_SUFFIXES)
 
 
 def _looks_like_path(text: str) -> bool:
     if not text or len(text) > 4096 or any(c.isspace() for c in text):
         return False
     return (text.endswith(("/", os.sep)) or text.startswith(("/", "./", "../", "~/"))
-            or Path(text).suffix.lower() in (".txt", ".md", ".json", ".jsonl"))
+            or Path(text).suffix.lower() in (".txt", ".md", ".json", ".jsonl", ".parquet"))
 
 
 def load_documents(documents: object) -> list[Document]:

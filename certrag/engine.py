@@ -25,6 +25,7 @@ from certrag.config import EngineConfig
 from certrag.documents import Document, load_documents
 from certrag.index import HnswIndex
 from certrag.retrieval import Retrieval, Retriever, StoreView, check_questions
+from certrag.shards import ShardedIndex
 from certrag.store import StoreData, StoreError, StoreLock, read_store, write_store
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,19 @@ class Engine:
     @classmethod
     def build(cls, documents: object, path: str | Path, config: EngineConfig | None = None, *,
               embedder=None, reranker=None, overwrite: bool = False, progress: bool = True) -> "Engine":
-        """Indexes documents into a new store at path and returns the open engine."""
+        """Indexes documents into a new store at path and returns the open engine. On any error nothing is left
+        behind: a folder this call made is removed, and a store being overwritten keeps its current version."""
+        docs = load_documents(documents)
+        return cls._create(path, config, embedder=embedder, reranker=reranker, overwrite=overwrite,
+                           fill=lambda engine: engine._ingest(docs, progress))
+
+    @classmethod
+    def _create(cls, path: str | Path, config: EngineConfig | None, *, embedder, reranker, overwrite: bool,
+                fill) -> "Engine":
+        """A new store at path, holding what fill(engine) ingests into the empty engine (written once, at the end;
+        certrag.scale.indexing fills it from a Ray Data job)."""
+        import shutil
+
         path = Path(path)
         config = config or EngineConfig()
         if (path / "CURRENT").exists() and not overwrite:
@@ -87,24 +100,33 @@ class Engine:
                              "overwrite=True")
         if path.exists() and not path.is_dir():
             raise StoreError(f"{path} exists and is not a folder")
-        docs = load_documents(documents)
+        made = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
-        lock = StoreLock(path)
+        try:
+            lock = StoreLock(path)
+        except BaseException:
+            if made:
+                shutil.rmtree(path, ignore_errors=True)
+            raise
         try:
             from certrag.certify.conformal import CALIBRATION_FILE
 
-            (path / CALIBRATION_FILE).unlink(missing_ok=True)  # a calibration of the store being replaced
             embedder = embedder or cls._default_embedder(config)
             reranker = cls._resolve_reranker(config, reranker)
-            index = HnswIndex(embedder.dim, config.index.metric, config.index.M, config.index.ef_construction)
+            ic = config.index
+            index = HnswIndex(embedder.dim, ic.metric, ic.M, ic.ef_construction) if ic.shards == 1 else \
+                ShardedIndex.empty(ic.shards, embedder.dim, ic.metric, ic.M, ic.ef_construction)
             data = StoreData(config=config.to_dict(), models=cls._models(embedder, reranker), chunks=[],
                              documents={}, ids=np.zeros(0, np.int64), vectors=np.zeros((0, embedder.dim), np.float32),
                              index=index)
             engine = cls(path, data, config, read_only=False, embedder=embedder, reranker=reranker, lock=lock)
-            engine._ingest(docs, progress)
+            fill(engine)
+            (path / CALIBRATION_FILE).unlink(missing_ok=True)  # a calibration of the store just replaced
             return engine
         except BaseException:
             lock.release()
+            if made:
+                shutil.rmtree(path, ignore_errors=True)
             raise
 
     @classmethod
@@ -123,9 +145,10 @@ class Engine:
             except (ValueError, TypeError) as exc:
                 raise StoreError(f"{path}: the stored config is damaged ({exc})") from None
             embedder = embedder or cls._default_embedder(config)
-            if data.models.get("embedder") != embedder.name or data.index.dim != embedder.dim:
+            dim = data.vectors.shape[1]
+            if data.models.get("embedder") != embedder.name or dim != embedder.dim:
                 raise StoreError(f"{path} was built with the embedder {data.models.get('embedder')!r} "
-                                 f"({data.index.dim}-d); this engine has {embedder.name!r} ({embedder.dim}-d)")
+                                 f"({dim}-d); this engine has {embedder.name!r} ({embedder.dim}-d)")
             reranker = cls._resolve_reranker(config, reranker)
             return cls(path, data, config, read_only=read_only, embedder=embedder, reranker=reranker, lock=lock)
         except BaseException:
@@ -198,56 +221,76 @@ class Engine:
     def _ingest(self, docs: list[Document], progress: bool) -> BuildReport:
         from tqdm.auto import tqdm
 
-        started = time.perf_counter()
-        data = self._data
-        clash = [d.id for d in docs if d.id in data.documents]
+        from certrag.ingest import GROUP, prepare
+
+        self._check_new([d.id for d in docs])
+
+        def groups():
+            with tqdm(total=len(docs), desc="indexing", unit="doc", disable=not progress or len(docs) < 2) as bar:
+                for g in range(0, len(docs), GROUP):
+                    batch = docs[g:g + GROUP]
+                    yield from prepare(batch, self.chunker, self._embedder)
+                    bar.update(len(batch))
+
+        return self._ingest_prepared(groups())
+
+    def _check_new(self, doc_ids: Sequence[str]) -> None:
+        clash = [d for d in doc_ids if d in self._data.documents]
         if clash:
             raise ValueError(f"documents already in the store: {clash[:5]}{' ...' if len(clash) > 5 else ''}; "
                              "remove them first")
-        skipped = tuple(d.id for d in docs if not d.text.strip())
-        for doc_id in skipped:
-            log.warning("skipping empty document %r", doc_id)
-        docs = [d for d in docs if d.text.strip()]
-        new_chunks, new_docs = [], {}
+
+    def _ingest_prepared(self, prepared) -> BuildReport:
+        """Gives the chunks of segmented and embedded documents (certrag.ingest.Prepared, in document order) their
+        ids, adds them to the index and writes the store's next version. Nothing is written until the last
+        document has come: an error on the way (a worker that failed for good) leaves the store as it was."""
+        started = time.perf_counter()
+        data = self._data
+        new_chunks, new_docs, parts, skipped, seen = [], {}, [], [], set()
         next_id = data.next_chunk_id
-        parts = []
-        # Documents go through in groups: the segmenter embeds a group's sentences in one batched call, and the
-        # group's chunks are embedded right after, while the embedder still remembers those sentences (a chunk
-        # that is one sentence is not embedded twice).
-        group = 64
-        split_many = getattr(self.chunker, "split_many", None)
-        with tqdm(total=len(docs), desc="indexing", unit="doc", disable=not progress or len(docs) < 2) as bar:
-            for g in range(0, len(docs), group):
-                batch = docs[g:g + group]
-                pieces = split_many([d.text for d in batch]) if split_many else \
-                    [self.chunker.split(d.text) for d in batch]
-                texts = []
-                for doc, chunks in zip(batch, pieces):
-                    ids = []
-                    for c in chunks:
-                        new_chunks.append({"id": next_id, "doc_id": doc.id, "start": c.start, "end": c.end,
-                                           "n_tokens": c.n_tokens, "text": c.text})
-                        texts.append(c.text)
-                        ids.append(next_id)
-                        next_id += 1
-                    new_docs[doc.id] = {"metadata": doc.metadata, "chunk_ids": ids, "characters": len(doc.text)}
-                if texts:
-                    parts.append(self._embedder.embed(texts))
-                bar.update(len(batch))
+        for p in prepared:
+            doc = p.doc
+            if doc.id in seen or doc.id in data.documents:
+                self._check_new([doc.id])
+                raise ValueError(f"document id {doc.id!r} appears more than once")
+            seen.add(doc.id)
+            if not doc.text.strip():
+                log.warning("skipping empty document %r", doc.id)
+                skipped.append(doc.id)
+                continue
+            ids = list(range(next_id, next_id + len(p.chunks)))
+            new_chunks += [{"id": i, "doc_id": doc.id, **c} for i, c in zip(ids, p.chunks)]
+            new_docs[doc.id] = {"metadata": doc.metadata, "chunk_ids": ids, "characters": len(doc.text)}
+            next_id += len(ids)
+            if len(p.chunks):
+                parts.append(p.vectors)
         vectors = np.concatenate(parts) if parts else np.zeros((0, self._embedder.dim), np.float32)
         ids = np.array([c["id"] for c in new_chunks], dtype=np.int64)
         if len(ids):
-            data.index.add(vectors, ids)
+            self._index_add(vectors, ids, [c["doc_id"] for c in new_chunks])
         data.chunks = data.chunks + new_chunks
         data.documents = {**data.documents, **new_docs}
         data.ids = np.concatenate([data.ids, ids])
         data.vectors = np.concatenate([data.vectors, vectors]) if len(vectors) else data.vectors
         data.next_chunk_id = next_id
         self._commit()
-        report = BuildReport(documents=len(docs), chunks=len(new_chunks), skipped_empty=skipped,
+        report = BuildReport(documents=len(new_docs), chunks=len(new_chunks), skipped_empty=tuple(skipped),
                              seconds=time.perf_counter() - started)
         self.last_report = report
         return report
+
+    def _index_add(self, vectors: np.ndarray, ids: np.ndarray, doc_ids: list[str]) -> None:
+        index = self._data.index
+        if not isinstance(index, ShardedIndex):
+            index.add(vectors, ids)
+            return
+        try:
+            index.add(vectors, ids, doc_ids)
+        except BaseException:  # shards before the one that refused changed: go back to the version on disk
+            if (self.path / "CURRENT").exists():
+                self._data = read_store(self.path, mmap=False)
+                self._publish()
+            raise
 
     def _commit(self) -> None:
         """Writes the changed store as its next version and publishes its view. When the write fails (a full disk,

@@ -7,7 +7,9 @@
         chunks.jsonl       one chunk per line: id, doc_id, start, end, n_tokens, text
         documents.jsonl    one document per line: id, metadata, chunk ids, characters
         embeddings.safetensors   ids int64 (n,), vectors float32 (n, d), aligned with chunks.jsonl
-        index.hnsw         the native index (its own header and checksums)
+        index.hnsw         the native index (its own header and checksums); a store of N > 1 shards
+                           (config index.shards) holds index-000-of-00N.hnsw ... instead, one per shard, each
+                           listed with its checksum in the manifest (certrag.shards)
     DIR/.lock              held (flock) by a writable Engine
 
 A write builds a complete new version folder under a temporary name, fsyncs it, renames it into place and then
@@ -33,9 +35,17 @@ from pathlib import Path
 import numpy as np
 
 from certrag.index import HnswIndex, IndexIOError
+from certrag.shards import ShardedIndex, check_shards
 
 FORMAT_VERSION = 2  # 2: CURRENT carries the manifest's SHA-256
-FILES = ("chunks.jsonl", "documents.jsonl", "embeddings.safetensors", "index.hnsw")
+DATA_FILES = ("chunks.jsonl", "documents.jsonl", "embeddings.safetensors")
+FILES = DATA_FILES + ("index.hnsw",)  # an unsharded store's files
+_SHARD_FILE = re.compile(r"index-([0-9]{3})-of-([0-9]{3})\.hnsw")
+
+
+def index_files(shards: int) -> list[str]:
+    """The index files of a store with this many shards."""
+    return ["index.hnsw"] if shards == 1 else [f"index-{i:03d}-of-{shards:03d}.hnsw" for i in range(shards)]
 
 
 class StoreError(ValueError):
@@ -50,9 +60,10 @@ class StoreData:
     documents: dict[str, dict]
     ids: np.ndarray  # int64 (n,), chunk ids aligned with chunks and vectors
     vectors: np.ndarray  # float32 (n, d)
-    index: HnswIndex
+    index: HnswIndex | ShardedIndex | None  # None when read with load_index=False
     next_chunk_id: int = 0
     manifest: dict = field(default_factory=dict)
+    index_paths: tuple[Path, ...] = ()  # the version's index files, one per shard (set by read_store)
 
 
 def _sha256(path: Path) -> str:
@@ -156,7 +167,10 @@ def write_store(root: Path, data: StoreData) -> Path:
         _write(tmp / "embeddings.safetensors",
                save({"ids": np.ascontiguousarray(data.ids, dtype=np.int64),
                      "vectors": np.ascontiguousarray(vectors, dtype=np.float32)}))
-        data.index.save(tmp / "index.hnsw")
+        shards = data.index.shards if isinstance(data.index, ShardedIndex) else [data.index]
+        names = index_files(len(shards))
+        for shard, fname in zip(shards, names):
+            shard.save(tmp / fname)
         manifest = {
             "format": "certrag-store",
             "format_version": FORMAT_VERSION,
@@ -166,7 +180,9 @@ def write_store(root: Path, data: StoreData) -> Path:
             "counts": {"documents": len(data.documents), "chunks": len(data.chunks),
                        "dim": int(data.index.dim)},
             "next_chunk_id": int(data.next_chunk_id),
-            "files": {f: {"sha256": _sha256(tmp / f), "bytes": (tmp / f).stat().st_size} for f in FILES},
+            "files": {f: {"sha256": _sha256(tmp / f), "bytes": (tmp / f).stat().st_size}
+                      for f in DATA_FILES + tuple(names)},
+            "index": {"shards": len(shards), "files": names, "live": [len(x) for x in shards]},
         }
         for key, value in data.manifest.items():
             if key not in manifest:
@@ -189,14 +205,17 @@ def write_store(root: Path, data: StoreData) -> Path:
     return root / name
 
 
-def read_store(root: Path, *, verify: bool = True, mmap: bool = False, attempts: int = 5) -> StoreData:
+def read_store(root: Path, *, verify: bool = True, mmap: bool = False, attempts: int = 5,
+               load_index: bool = True) -> StoreData:
     """Opens the current version, checking CURRENT, the manifest's checksum and format version and (with verify)
     every file's SHA-256. A version deleted by a writer while this reader opened it is retried from CURRENT (up to
-    `attempts` times), so a reader sees one whole version or a StoreError, never a missing file."""
+    `attempts` times), so a reader sees one whole version or a StoreError, never a missing file. load_index=False
+    leaves the index to the caller (StoreData.index is None; index_paths name its files): a server whose shards
+    live in other processes (certrag.scale.shards)."""
     for attempt in range(attempts):
         name, manifest_sha = _pointer(root)
         try:
-            return _read_version(root, name, manifest_sha, verify=verify, mmap=mmap)
+            return _read_version(root, name, manifest_sha, verify=verify, mmap=mmap, load_index=load_index)
         except (FileNotFoundError, NotADirectoryError, IndexIOError, _VersionGone) as exc:
             if _pointer(root)[0] == name or attempt == attempts - 1:
                 raise StoreError(f"{root}: {name} is incomplete ({exc}): the store is damaged") from None
@@ -207,7 +226,23 @@ class _VersionGone(Exception):
     """A file of the version being read vanished (a writer replaced the version meanwhile)."""
 
 
-def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bool, mmap: bool) -> StoreData:
+def _index_names(root: Path, manifest: dict) -> list[str]:
+    """The manifest's index files (format 2 stores before sharding: index.hnsw), checked to be the names a store
+    of that many shards has, so a damaged manifest cannot name a file outside the version."""
+    entry = manifest.get("index")
+    if entry is None:
+        return ["index.hnsw"]
+    try:
+        names, shards = list(entry["files"]), check_shards(entry["shards"])
+    except (TypeError, KeyError, ValueError) as exc:
+        raise StoreError(f"{root}: manifest.json's index entry is damaged ({exc})") from None
+    if names != index_files(shards):
+        raise StoreError(f"{root}: manifest.json's index files do not match its {shards} shards: the store is damaged")
+    return names
+
+
+def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bool, mmap: bool,
+                  load_index: bool = True) -> StoreData:
     """Reads version `name`, whose manifest must hash to manifest_sha (format 1 stores: None)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
@@ -236,7 +271,8 @@ def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bo
     if not isinstance(files, dict) or not isinstance(manifest.get("config"), dict) or \
             not isinstance(manifest.get("models"), dict):
         raise StoreError(f"{root}: manifest.json is damaged (files, config or models missing)")
-    for f in FILES:
+    names = _index_names(root, manifest)
+    for f in DATA_FILES + tuple(names):
         path = version / f
         expected = files.get(f)
         if not isinstance(expected, dict):
@@ -257,7 +293,10 @@ def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bo
                 row = json.loads(line)
                 documents[row.pop("id")] = row
         tensors = load_file(str(version / "embeddings.safetensors"))
-        index = HnswIndex.load(version / "index.hnsw", mmap=mmap)
+        index = None
+        if load_index:
+            loaded = [HnswIndex.load(version / f, mmap=mmap) for f in names]
+            index = loaded[0] if manifest.get("index") is None or len(loaded) == 1 else ShardedIndex(loaded)
         ids, vectors = tensors["ids"], tensors["vectors"]
         next_chunk_id = manifest.get("next_chunk_id", 0)
         if not isinstance(next_chunk_id, int) or isinstance(next_chunk_id, bool):
@@ -265,11 +304,12 @@ def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bo
         chunk_ids = [c["id"] for c in chunks]
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, SafetensorError) as exc:
         raise StoreError(f"{root}: damaged store ({exc})") from None
-    if not (len(chunks) == len(ids) == len(vectors) == len(index)):
+    if not (len(chunks) == len(ids) == len(vectors) == (len(index) if index is not None else len(ids))):
         raise StoreError(f"{root}: chunks, embeddings and index disagree on the count")
     if chunk_ids != ids.tolist():
         raise StoreError(f"{root}: chunks and embeddings disagree on the chunk ids")
     if len(ids) and next_chunk_id <= int(ids.max()):
         raise StoreError(f"{root}: next_chunk_id {next_chunk_id} is not above the largest chunk id {int(ids.max())}")
     return StoreData(config=manifest["config"], models=manifest["models"], chunks=chunks, documents=documents,
-                     ids=ids, vectors=vectors, index=index, next_chunk_id=next_chunk_id, manifest=manifest)
+                     ids=ids, vectors=vectors, index=index, next_chunk_id=next_chunk_id, manifest=manifest,
+                     index_paths=tuple(version / f for f in names))
