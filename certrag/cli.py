@@ -417,9 +417,23 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
               help="Require 'Authorization: Bearer KEY' on every route but /health and /ready [env CERTRAG_API_KEY].")
 @click.option("--serialize", is_flag=True, hidden=True,
               help="Benchmark baseline: handle one request at a time, as the server used to.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Serve on Ray Serve: alone, a local Ray cluster in this process; with an address, that cluster "
+                   "('auto': the one this machine belongs to). Needs STORE.")
+@click.option("--retrieval-replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Encoders deployment replicas (with --ray).")
+@click.option("--generation-replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Generator deployment replicas (with --ray).")
+@click.option("--ingress-replicas", type=click.IntRange(min=1), default=1, show_default=True,
+              help="HTTP app replicas (with --ray).")
+@click.option("--autoscale", type=click.IntRange(min=1), default=None,
+              help="Let Serve scale Encoders and Generator from 1 to N replicas (with --ray; overrides the counts).")
+@click.option("--shard-actors", is_flag=True,
+              help="Load the store's index shards into one Ray actor each (with --ray).")
 def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: str | None, llm_model: str,
           max_body_bytes: int, max_batch: int, max_wait_ms: float, queue_depth: int, encoder_depth: int,
-          timeout_s: float, api_key: str | None, serialize: bool) -> None:
+          timeout_s: float, api_key: str | None, serialize: bool, ray_address: str | None, retrieval_replicas: int,
+          generation_replicas: int, ingress_replicas: int, autoscale: int | None, shard_actors: bool) -> None:
     """Serve the OpenAI routes (/v1/chat/completions, /v1/models, /v1/embeddings), /v1/rerank and, with STORE,
     /v1/retrieve and /v1/answer; /health, /ready and /metrics."""
     import uvicorn
@@ -435,6 +449,19 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
         raise click.BadParameter(str(exc)) from None
     if llm_url and model:
         raise click.UsageError("give --model (a local model) or --llm-url (a remote one), not both")
+    if ray_address is not None:
+        if store is None or llm_url:
+            raise click.UsageError("--ray serves a STORE with a local model (no --llm-url)")
+        from certrag.scale.serving import run
+
+        try:
+            run(store, host=host, port=port, address=ray_address, serve_config=config.__dict__, model=model,
+                retrieval_replicas=retrieval_replicas, generation_replicas=generation_replicas,
+                ingress_replicas=ingress_replicas, autoscale=autoscale, shard_actors=shard_actors,
+                max_batch=max_batch, max_wait_ms=max_wait_ms)
+        except (ImportError, ValueError, FileNotFoundError) as exc:
+            raise click.ClickException(str(exc)) from None
+        return
     if llm_url:
         from certrag.llm import OpenAIChatClient
 

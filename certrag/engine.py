@@ -131,15 +131,23 @@ class Engine:
 
     @classmethod
     def open(cls, path: str | Path, read_only: bool = False, *, embedder=None, reranker=None,
-             verify: bool = True) -> "Engine":
-        """Opens an existing store. verify=False skips the SHA-256 check of every file (sizes are still checked)."""
+             verify: bool = True, shard_actors: bool = False) -> "Engine":
+        """Opens an existing store. verify=False skips the SHA-256 check of every file (sizes are still checked).
+        shard_actors=True (read-only; Ray initialised, certrag.scale.connect): the index's shards are loaded by
+        one Ray actor each instead of into this process (certrag.shards.RayShardedIndex)."""
         from certrag.store import current_version
 
         path = Path(path)
         current_version(path)  # a clear error for a missing or foreign folder, before any lock file is made
         lock = None if read_only else StoreLock(path)
         try:
-            data = read_store(path, verify=verify, mmap=read_only)
+            if shard_actors and not read_only:
+                raise ValueError("shard_actors=True serves a store read-only: pass read_only=True")
+            data = read_store(path, verify=verify, mmap=read_only, load_index=not shard_actors)
+            if shard_actors:
+                from certrag.shards import RayShardedIndex
+
+                data.index = RayShardedIndex(data.index_paths, data.manifest.get("index", {}).get("live"))
             try:
                 config = EngineConfig.from_dict(data.config)
             except (ValueError, TypeError) as exc:

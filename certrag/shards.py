@@ -7,7 +7,11 @@ with respect to the shards' answers, and each shard, being a smaller graph searc
 neighbours at least as well as the unsharded index finds them (recall is measured in bench_scale).
 
 ShardedIndex has HnswIndex's reading interface (search, len, dim, metric, get_vectors, ids, stats), so the retrieval
-stage runs on it unchanged; add() also takes the document id of each row, to route it.
+stage runs on it unchanged; add() also takes the document id of each row, to route it. RayShardedIndex has the same
+reading interface over one Ray actor per shard (Engine.open(store, read_only=True, shard_actors=True), after
+certrag.scale.connect): each actor maps its shard's file, and a query batch is scattered to all of them and their
+top k merged. The shard files must be readable where the actors run (a shared file system on a multi-node
+cluster); a store served this way is read-only.
 """
 
 from __future__ import annotations
@@ -154,3 +158,85 @@ class ShardedIndex:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+class ShardActor:
+    """One shard: its HnswIndex, mapped from the store's file."""
+
+    def __init__(self, path: str, mmap: bool = True) -> None:
+        self.index = HnswIndex.load(path, mmap=mmap)
+
+    def search(self, queries: np.ndarray, k: int, ef: int | None) -> tuple[np.ndarray, np.ndarray]:
+        r = self.index.search(queries, k, ef)
+        return r.ids, r.scores
+
+    def describe(self) -> dict:
+        return {"size": len(self.index), "dim": self.index.dim, "metric": self.index.metric, "M": self.index.M,
+                "ef_construction": self.index.ef_construction, "stats": self.index.stats()}
+
+    def get_vectors(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mine = np.array([int(i) in self.index for i in ids], dtype=bool)
+        return mine, self.index.get_vectors(ids[mine]) if mine.any() else np.zeros((0, self.index.dim), np.float32)
+
+
+class RayShardedIndex:
+    """The reading interface of HnswIndex (search, len, dim, metric, get_vectors, stats) over shard actors."""
+
+    def __init__(self, paths: Sequence[Path], expected_sizes: Sequence[int] | None = None, *,
+                 num_cpus: float = 0) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ImportError("shard actors need Ray: pip install 'certrag[ray]'") from None
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not initialised: call certrag.scale.connect(address) first")
+        self._ray = ray
+        remote = ray.remote(ShardActor).options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=-1)
+        self.actors = [remote.remote(str(p)) for p in paths]
+        self._info = ray.get([a.describe.remote() for a in self.actors])
+        sizes = [i["size"] for i in self._info]
+        if expected_sizes is not None and list(expected_sizes) != sizes:
+            raise ValueError(f"the shard actors hold {sizes} vectors; the manifest says {list(expected_sizes)}")
+        first = self._info[0]
+        self.dim, self.metric, self.M, self.ef_construction = (first["dim"], first["metric"], first["M"],
+                                                               first["ef_construction"])
+        self._size = sum(sizes)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"RayShardedIndex(shards={len(self.actors)}, dim={self.dim}, size={self._size})"
+
+    def search(self, queries: np.ndarray, k: int, ef: int | None = None, num_threads: int = 0) -> SearchResult:
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        parts = self._ray.get([a.search.remote(queries, k, ef) for a in self.actors])
+        return merge_top_k(parts, k)
+
+    def get_vectors(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.zeros((len(ids), self.dim), np.float32)
+        found = np.zeros(len(ids), bool)
+        for mine, vectors in self._ray.get([a.get_vectors.remote(ids) for a in self.actors]):
+            out[mine] = vectors
+            found |= mine
+        if not found.all():
+            raise ValueError(f"ids not in the index: {ids[~found][:5].tolist()}")
+        return out
+
+    def stats(self) -> dict:
+        per = [i["stats"] for i in self._info]
+        return {"shards": len(per), "actors": True, "nodes": sum(p["nodes"] for p in per),
+                "live": sum(p["live"] for p in per), "deleted": sum(p["deleted"] for p in per),
+                "per_shard": [{"live": p["live"]} for p in per], "memory_bytes": sum(p["memory_bytes"] for p in per),
+                "dim": self.dim, "metric": self.metric, "M": self.M, "ef_construction": self.ef_construction}
+
+    def add(self, *args, **kwargs):
+        raise ValueError("a store served by shard actors is read-only; write through Engine.open(store)")
+
+    remove = add
+
+    def close(self) -> None:
+        for a in self.actors:
+            self._ray.kill(a)
+        self.actors = []

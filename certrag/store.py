@@ -211,7 +211,7 @@ def read_store(root: Path, *, verify: bool = True, mmap: bool = False, attempts:
     every file's SHA-256. A version deleted by a writer while this reader opened it is retried from CURRENT (up to
     `attempts` times), so a reader sees one whole version or a StoreError, never a missing file. load_index=False
     leaves the index to the caller (StoreData.index is None; index_paths name its files): a server whose shards
-    live in other processes (certrag.scale.shards)."""
+    live in other processes (certrag.shards.RayShardedIndex)."""
     for attempt in range(attempts):
         name, manifest_sha = _pointer(root)
         try:

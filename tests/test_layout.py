@@ -108,7 +108,8 @@ def test_no_import_cycle_in_the_package(graph):
     assert _cycles(graph) == []
 
 
-FACES_AND_HARNESSES = ("certrag.cli", "certrag.serve", "certrag.eval", "certrag.train", "certrag.integrations")
+FACES_AND_HARNESSES = ("certrag.cli", "certrag.serve", "certrag.eval", "certrag.train", "certrag.integrations",
+                       "certrag.scale")
 ABOVE_THE_STAGES = ("certrag.engine", *FACES_AND_HARNESSES)
 
 

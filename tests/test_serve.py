@@ -63,20 +63,26 @@ def _stop(proc):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.config import EngineConfig, IndexConfig, RetrievalConfig
     from certrag.data.corpora import wiki_leads
     from certrag.engine import Engine
 
     path = tmp_path_factory.mktemp("serve") / "store"
     docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:30]]
-    Engine.build(docs, path, EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8)),
-                 progress=False).close()
+    Engine.build(docs, path, EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8),
+                                          index=IndexConfig(shards=2)), progress=False).close()
     return path
 
 
-@pytest.fixture(scope="module")
-def server(store):
-    proc, url = _start(store, "--queue-depth", "3", "--encoder-depth", "2", "--max-wait-ms", "5")
+@pytest.fixture(scope="module", params=["local", "ray"])
+def server(store, request):
+    """The same suite runs against the single-process server and the Ray Serve one (Ingress, Encoders and
+    Generator deployments on a local Ray cluster, the store's two shards as Ray actors)."""
+    extra = []
+    if request.param == "ray":
+        pytest.importorskip("ray")
+        extra = ["--ray", "--shard-actors"]
+    proc, url = _start(store, "--queue-depth", "3", "--encoder-depth", "2", "--max-wait-ms", "5", *extra)
     yield url
     _stop(proc)
 

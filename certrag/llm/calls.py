@@ -23,7 +23,7 @@ class CallView:
     def generate(self, messages, **kwargs):
         if self._cancelled is not None and self._cancelled():
             raise Cancelled()
-        local = getattr(self._llm, "records_lookback", False)  # a LocalLLM streams and stops per token
+        local = getattr(self._llm, "streams_text", False)  # a LocalLLM (or a Ray Serve one) streams per token
         if local:
             if self._cancelled is not None:
                 kwargs.setdefault("cancelled", self._cancelled)

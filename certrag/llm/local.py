@@ -130,8 +130,19 @@ def _mean(values) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat (list of {role, content}) under the tokenizer's chat template, the assistant turn opened."""
+    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 class LocalLLM:
     records_lookback = True  # a capability: generate(..., record_lookback=True) works on this backend
+    streams_text = True  # generate(on_text=..., cancelled=...) streams pieces and stops per token
     def __init__(self, model: str | os.PathLike = DEFAULT_LLM, *, dtype: str = "float32",
                  num_threads: int = 1) -> None:
         from certrag.embed import _import_torch
@@ -153,6 +164,7 @@ class LocalLLM:
                 raise ValueError(f"model must be one of {sorted(BUNDLED_MODELS)} or a transformers model folder; "
                                  f"got {model!r}")
             self.name = path.name
+        self.path = str(path)  # the transformers folder the weights and tokenizer came from
         self._torch = torch
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
@@ -172,12 +184,7 @@ class LocalLLM:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """Token ids of a chat (list of {role, content}) with the model's chat template and the assistant turn
         opened."""
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])

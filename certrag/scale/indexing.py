@@ -8,6 +8,7 @@ writes nothing (a new store's folder is removed; an existing store keeps its ver
     certrag index corpus/ --store S --ray auto --workers 8  # the cluster this machine belongs to
 
 Paths must be readable by every worker (a shared file system on a multi-node cluster), as for any Ray Data read.
+Ray reads one file per task: a corpus in many files is read in parallel, one large file by one task.
 """
 
 from __future__ import annotations
@@ -20,75 +21,50 @@ from typing import Iterator
 import numpy as np
 
 from certrag.config import EngineConfig
-from certrag.documents import (
-    Document, _read_text, document_files, document_from_line, document_from_row, load_documents,
-)
+from certrag.documents import Document, document_files, load_documents
 from certrag.ingest import GROUP, Prepared
 
 _COLUMNS = ("id", "text", "metadata")  # every source is normalised to these (metadata as a JSON string)
-_LIGHT = {"num_cpus": 0}
 
 
-def _rows(docs: list[Document]) -> dict:
-    return {"id": np.array([d.id for d in docs], dtype=object),
+def _rows(docs: list[Document], source: int = 0, file: int = 0) -> dict:
+    """The columns of documents, with their place in the corpus (source, file, row): Ray may hand batches back in
+    any order, and chunk ids are given in the corpus's order."""
+    return {"source": np.full(len(docs), source, np.int64), "file": np.full(len(docs), file, np.int64),
+            "row": np.arange(len(docs), dtype=np.int64),
+            "id": np.array([d.id for d in docs], dtype=object),
             "text": np.array([d.text for d in docs], dtype=object),
             "metadata": np.array([json.dumps(d.metadata, ensure_ascii=False) for d in docs], dtype=object)}
 
 
-def _jsonl_lines(where: str):
-    def parse(batch: dict) -> dict:
-        docs = [document_from_line(str(line), where) for line in batch["text"]]
-        return _rows([d for d in docs if d is not None])
-    return parse
+def _read_files(batch: dict) -> dict:
+    """The documents of each file (JSONL, Parquet, text), exactly as a local build reads it."""
+    from certrag.documents import _from_path
+
+    (path,), (root,), (source,), (file,) = batch["path"], batch["root"], batch["source"], batch["file"]
+    return _rows(_from_path(Path(str(path)), Path(str(root)) if str(root) else None), int(source), int(file))
 
 
-def _parquet_rows(where: str):
-    def parse(batch) -> dict:
-        from certrag.documents import _without_nulls
-
-        rows = batch.to_pylist()
-        return _rows([document_from_row(_without_nulls(r), f"{where}: row") for r in rows])
-    return parse
-
-
-def _text_files(batch: dict) -> dict:
-    docs = [Document(id=str(i), text=_read_text(Path(str(p))), metadata={"source": str(p)})
-            for i, p in zip(batch["id"], batch["path"])]
-    return _rows(docs)
-
-
-def _source_datasets(source: object) -> list:
-    """One Ray dataset per source, each of _COLUMNS, in the order load_documents would read them."""
+def _source_dataset(source: object, number: int):
+    """A Ray dataset of _COLUMNS for one source: a path (a file or a folder: one read task per file, reading
+    as load_documents does, so ids and metadata are the same) or documents in memory."""
     import ray.data
 
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and len(source) < 4096
                                            and Path(source).expanduser().exists()):
         path = Path(source).expanduser()
         if path.is_dir():
-            files = document_files(path)
+            files, root = document_files(path), str(path)
             if not files:
                 load_documents(path)  # the same error as a local build
-            return [ds for f in files for ds in _file_dataset(f, path)]
-        return _file_dataset(path, None)
-    return [ray.data.from_items([{"id": d.id, "text": d.text,
-                                  "metadata": json.dumps(d.metadata, ensure_ascii=False)}
-                                 for d in load_documents(source)])]
-
-
-def _file_dataset(path: Path, root: Path | None) -> list:
-    import ray.data
-
-    suffix = path.suffix.lower()
-    # Reading and parsing take no CPU slot: the workers hold them all, and a read waiting for one would wait forever
-    if suffix == ".jsonl":
-        return [ray.data.read_text(str(path), ray_remote_args=_LIGHT)
-                .map_batches(_jsonl_lines(str(path)), batch_format="numpy", **_LIGHT)]
-    if suffix == ".parquet":
-        return [ray.data.read_parquet(str(path), ray_remote_args=_LIGHT)
-                .map_batches(_parquet_rows(str(path)), batch_format="pyarrow", **_LIGHT)]
-    name = str(path.relative_to(root)) if root is not None else path.name
-    return [ray.data.from_items([{"id": name, "path": str(path)}])
-            .map_batches(_text_files, batch_format="numpy", **_LIGHT)]
+        else:
+            files, root = [path], ""
+        # Reading takes no CPU slot: the workers hold them all, and a read waiting for one would wait forever
+        items = [{"path": str(f), "root": root, "source": number, "file": i} for i, f in enumerate(files)]
+        return ray.data.from_items(items).map_batches(_read_files, batch_size=1, batch_format="numpy", num_cpus=0)
+    docs = load_documents(source)
+    return ray.data.from_items([{k: (v[i].item() if isinstance(v[i], np.generic) else v[i]) for k, v in
+                                 _rows(docs, number).items()} for i in range(len(docs))])
 
 
 class SegmentEmbedWorker:
@@ -113,23 +89,30 @@ class SegmentEmbedWorker:
         docs = [Document(id=str(i), text=str(t), metadata=json.loads(str(m)))
                 for i, t, m in zip(batch["id"], batch["text"], batch["metadata"])]
         out = prepare(docs, self.chunker, self.embedder)
-        return {**_rows([p.doc for p in out]),
+        return {**_rows([p.doc for p in out]), **{k: batch[k] for k in ("source", "file", "row")},
                 "chunks": np.array([json.dumps(p.chunks, ensure_ascii=False) for p in out], dtype=object),
                 "vectors": np.array([np.ascontiguousarray(p.vectors, np.float32).tobytes() for p in out],
                                     dtype=object)}
 
 
 def _prepared(ds, dim: int, progress: bool) -> Iterator[Prepared]:
+    """The workers' documents in the corpus's order. They are all held until the last has come -- the store is
+    written once, at the end, with every vector in memory, as a local build does."""
     from tqdm.auto import tqdm
 
+    done = []
     with tqdm(desc="indexing on ray", unit="doc", disable=not progress) as bar:
         for batch in ds.iter_batches(batch_size=GROUP, batch_format="numpy"):
-            for i, t, m, c, v in zip(batch["id"], batch["text"], batch["metadata"], batch["chunks"],
-                                     batch["vectors"]):
-                chunks = json.loads(str(c))
-                vectors = np.frombuffer(bytes(v), dtype=np.float32).reshape(len(chunks), dim)
-                yield Prepared(Document(id=str(i), text=str(t), metadata=json.loads(str(m))), chunks, vectors)
-                bar.update(1)
+            for at in range(len(batch["id"])):
+                chunks = json.loads(str(batch["chunks"][at]))
+                vectors = np.frombuffer(bytes(batch["vectors"][at]), dtype=np.float32).reshape(len(chunks), dim)
+                doc = Document(id=str(batch["id"][at]), text=str(batch["text"][at]),
+                               metadata=json.loads(str(batch["metadata"][at])))
+                key = (int(batch["source"][at]), int(batch["file"][at]), int(batch["row"][at]))
+                done.append((key, Prepared(doc, chunks, vectors)))
+            bar.update(len(batch["id"]))
+    done.sort(key=lambda kv: kv[0])
+    return (p for _, p in done)
 
 
 def index_on_ray(documents: object, store: str | Path, config: EngineConfig | None = None, *,
@@ -141,7 +124,7 @@ def index_on_ray(documents: object, store: str | Path, config: EngineConfig | No
     says what was indexed. address: a Ray cluster (None starts a local one in this process; "auto" joins this
     machine's). config applies to a new store only (an existing store keeps its own)."""
     from certrag.engine import Engine
-    from certrag.scale import connect
+    from certrag.scale.cluster import connect
 
     for name, value in (("workers", workers), ("threads_per_worker", threads_per_worker),
                         ("batch_docs", batch_docs)):
@@ -155,12 +138,10 @@ def index_on_ray(documents: object, store: str | Path, config: EngineConfig | No
     sources = documents if isinstance(documents, (list, tuple)) and all(
         isinstance(s, (str, os.PathLike)) for s in documents) else [documents]
     connect(address)
-    from ray.data import ActorPoolStrategy, DataContext
-
-    DataContext.get_current().execution_options.preserve_order = True  # chunk ids follow the documents' order
+    from ray.data import ActorPoolStrategy
 
     def run(engine) -> None:
-        parts = [ds for s in sources for ds in _source_datasets(s)]
+        parts = [_source_dataset(s, i) for i, s in enumerate(sources)]
         ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
         ds = ds.map_batches(SegmentEmbedWorker, batch_size=batch_docs, batch_format="numpy",
                             fn_constructor_kwargs={"config": engine.config.to_dict(), "threads": threads_per_worker},
