@@ -11,6 +11,8 @@ the NQ-open gold passages and the Wikipedia leads (certrag.data.corpora): about 
 
     python benchmarks/bench_scale.py                      # both parts
     python benchmarks/bench_scale.py --part latency       # reuse the 100k store built by an earlier run
+    python benchmarks/bench_scale.py --ray                # Ray Data indexing, sharded search, Ray Serve
+                                                          # (benchmarks/_scale_ray.py; --ray-parts to choose)
 """
 
 from __future__ import annotations
@@ -113,8 +115,18 @@ def main() -> None:
     p.add_argument("--chunkers", default="sage,fixed_sentence", help="the indexing part's chunkers")
     p.add_argument("--latency-queries", type=int, default=200)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--ray", action="store_true", help="the scale-out benchmarks instead (benchmarks/_scale_ray.py)")
+    p.add_argument("--ray-parts", default="indexing,search,serving")
     args = p.parse_args()
     _common.pin_threads(args.threads)
+    if args.ray:
+        import _scale_ray
+        from certrag.data.nq import load_nq_open
+
+        _common.DATA_DIR.mkdir(parents=True, exist_ok=True)
+        questions = [it.question for it in load_nq_open(split="test")]
+        _scale_ray.run(scale_corpus(), questions, args.ray_parts.split(","), not args.no_write)
+        return
 
     from certrag.embed import Embedder
     from certrag.data.nq import load_nq_open
