@@ -146,8 +146,10 @@ def serving(questions, log) -> list[dict]:
         raise SystemExit("run `python benchmarks/bench_retrieval.py` first: it builds the NQ store")
     payloads = [{"question": q} for q in questions]
     rows = []
-    for name, extra in (("single process", []), ("ray serve, 1 Encoders replica", ["--ray"]),
-                        ("ray serve, 2 Encoders replicas", ["--ray", "--retrieval-replicas", "2"])):
+    for name, extra in (("single process (2 torch threads)", []),
+                        ("ray serve, 1 Encoders replica x 1 thread", ["--ray"]),
+                        ("ray serve, 1 Encoders replica x 2 threads", ["--ray", "--replica-threads", "2"]),
+                        ("ray serve, 2 Encoders replicas x 1 thread", ["--ray", "--retrieval-replicas", "2"])):
         proc, port = bench_serve.start("served", store, extra=extra + ["--encoder-depth", "256"])
         try:
             bench_serve.load(port, "/v1/retrieve", payloads[:32], 16)  # warm up

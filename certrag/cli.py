@@ -430,10 +430,13 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
               help="Let Serve scale Encoders and Generator from 1 to N replicas (with --ray; overrides the counts).")
 @click.option("--shard-actors", is_flag=True,
               help="Load the store's index shards into one Ray actor each (with --ray).")
+@click.option("--replica-threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch threads per Encoders and Generator replica (with --ray).")
 def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: str | None, llm_model: str,
           max_body_bytes: int, max_batch: int, max_wait_ms: float, queue_depth: int, encoder_depth: int,
           timeout_s: float, api_key: str | None, serialize: bool, ray_address: str | None, retrieval_replicas: int,
-          generation_replicas: int, ingress_replicas: int, autoscale: int | None, shard_actors: bool) -> None:
+          generation_replicas: int, ingress_replicas: int, autoscale: int | None, shard_actors: bool,
+          replica_threads: int) -> None:
     """Serve the OpenAI routes (/v1/chat/completions, /v1/models, /v1/embeddings), /v1/rerank and, with STORE,
     /v1/retrieve and /v1/answer; /health, /ready and /metrics."""
     import uvicorn
@@ -458,7 +461,7 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
             run(store, host=host, port=port, address=ray_address, serve_config=config.__dict__, model=model,
                 retrieval_replicas=retrieval_replicas, generation_replicas=generation_replicas,
                 ingress_replicas=ingress_replicas, autoscale=autoscale, shard_actors=shard_actors,
-                max_batch=max_batch, max_wait_ms=max_wait_ms)
+                max_batch=max_batch, max_wait_ms=max_wait_ms, threads=replica_threads)
         except (ImportError, ValueError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from None
         return
@@ -489,8 +492,9 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
 @click.option("--model", default=None,
               help="Bundled model or transformers folder (default: qwen2.5-coder-0.5b-instruct).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the full report as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON (one object per run) instead.")
 def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], noise: tuple[float, ...], k: int,
-             model: str | None, out: Path | None) -> None:
+             model: str | None, out: Path | None, as_json: bool) -> None:
     """Evaluate answering strategies on NQ-open (EM, F1, reject rate, tokens, cost, cost-efficiency)."""
     from certrag.data.nq import load_nq_open
     from certrag.eval.qa import evaluate, markdown, write_report
@@ -508,14 +512,17 @@ def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], n
                     reports.append(evaluate(engine, items, strategy, noise_ratio=ratio, k=k))
                 except ValueError as exc:
                     raise click.ClickException(str(exc)) from None
+    if out:
+        write_report(out, reports)
+    if as_json:
+        click.echo(json.dumps([r["summary"] for r in reports], indent=2))
+        return
     click.echo(markdown([r["summary"] for r in reports]))
     for r in reports:
         if r["summary"].get("skipped"):
             s = r["summary"]
             click.echo(f"{s['strategy']} at noise {s['noise_ratio']}: {s['skipped']} questions skipped (too few "
                        f"relevant passages or hard negatives for exactly {k} passages)")
-    if out:
-        write_report(out, reports)
 
 
 @main.command("train-segmenter")

@@ -62,9 +62,8 @@ def _source_dataset(source: object, number: int):
         # Reading takes no CPU slot: the workers hold them all, and a read waiting for one would wait forever
         items = [{"path": str(f), "root": root, "source": number, "file": i} for i, f in enumerate(files)]
         return ray.data.from_items(items).map_batches(_read_files, batch_size=1, batch_format="numpy", num_cpus=0)
-    docs = load_documents(source)
-    return ray.data.from_items([{k: (v[i].item() if isinstance(v[i], np.generic) else v[i]) for k, v in
-                                 _rows(docs, number).items()} for i in range(len(docs))])
+    rows = _rows(load_documents(source), number)
+    return ray.data.from_items([dict(zip(rows, values)) for values in zip(*(v.tolist() for v in rows.values()))])
 
 
 class SegmentEmbedWorker:

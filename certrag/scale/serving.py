@@ -199,7 +199,7 @@ class Ingress:
         engine = await asyncio.to_thread(Engine.open, self.store, read_only=True, embedder=embedder,
                                          reranker=reranker, shard_actors=self.shard_actors)
         engine.llm = llm
-        return create_app(llm, engine, ServeConfig(**self.serve_config))
+        return create_app(llm, engine, ServeConfig(**self.serve_config), batch_encoders=False)
 
 
 # ------------------------------------------------------------------------------- the handles, as models

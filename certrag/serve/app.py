@@ -296,9 +296,12 @@ class GenerationQueue(Gate):
 # ------------------------------------------------------------------------------------------------------ the app
 
 
-def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_bytes: int | None = None):
+def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_bytes: int | None = None,
+               batch_encoders: bool = True):
     """The ASGI app. llm: a LocalLLM or an OpenAI-compatible client (certrag.llm.OpenAICompatibleLLM); engine: an
-    open Engine (read-only is enough) for /v1/embeddings, /v1/rerank, /v1/retrieve and /v1/answer."""
+    open Engine (read-only is enough) for /v1/embeddings, /v1/rerank, /v1/retrieve and /v1/answer.
+    batch_encoders=False leaves the engine's encoders as they are: on Ray Serve they batch in their own deployment
+    (@serve.batch), and one batcher thread here would keep all but one of its replicas idle."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -314,7 +317,9 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
     queue = GenerationQueue(config.queue_depth, metrics)
     encoders = Gate(config.encoder_depth, "the encoder queue", metrics.encoder_requests, metrics.rejected)
     embedder = reranker = None
-    if engine is not None:
+    if engine is not None and not batch_encoders:
+        embedder, reranker = engine._embedder, engine._reranker
+    elif engine is not None:
         embedder = BatchingEmbedder(engine._embedder, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
                                     on_batch=metrics.on_batch)
         if engine._reranker is not None:
