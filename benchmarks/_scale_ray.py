@@ -187,12 +187,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
                                            r["p99_ms"], r["memory_mb"], r["largest_shard"]] for r in search])]
     if serve:
         base = serve[0]["throughput_rps"]
-        parts += ["\n/v1/retrieve (embed, search, rerank 20, select) on the NQ store, 16 clients in a closed loop:\n",
+        by = {r["server"]: r["throughput_rps"] for r in serve}
+        one = next((v for k, v in by.items() if "1 Encoders replica x 1" in k), None)
+        two = next((v for k, v in by.items() if "2 Encoders replicas" in k), None)
+        parts += ["\n/v1/retrieve (embed, search, rerank 20, select) on the NQ store, 16 clients in a closed loop; "
+                  "the single-process server's torch threads are the process's two, a replica's are its own:\n",
                   _common.markdown_table(["server", "requests", "q/s", "vs single process", "p50 ms", "p99 ms",
                                           "statuses"],
                                          [[r["server"], r["requests"], r["throughput_rps"],
                                            r["throughput_rps"] / base, r["p50_ms"], r["p99_ms"],
                                            json.dumps(r["statuses"])] for r in serve])]
+        if one and two:
+            parts.append(f"\n2 Encoders replicas / 1 (one thread each): **{two / one:.2f}x**; against the "
+                         f"single-process server on the same two cores: {two / base:.2f}x.\n")
+    if meta.get("note"):
+        parts.append("\n" + meta["note"] + "\n")
     parts.append(_common.footer(meta))
     return "\n".join(parts)
 
