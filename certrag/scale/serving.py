@@ -5,9 +5,10 @@ deployments of their own so that each scales on its own.
                 table, and the index -- in this process, or its shards as Ray actors (shard_actors=True)
     Encoders    the embedder and the cross-encoder; @serve.batch gathers concurrent calls from every ingress
                 replica into shared forward passes ("retrieval replicas")
-    Generator   the local LLM; unary calls are gathered by @serve.batch and decoded together when their options
-                agree (LocalLLM.generate_batch), streaming calls decode token by token and stop when the caller
-                goes ("generation replicas")
+    Generator   the local LLM; calls that can be cancelled (every call the HTTP app makes) stream token by token
+                and stop decoding when the caller goes; calls without a cancel hook (library callers) are gathered
+                by @serve.batch and decoded together when their options agree (LocalLLM.generate_batch)
+                ("generation replicas")
 
 The ingress reaches the others through DeploymentHandles wrapped to look like the models they hold (RemoteEmbedder,
 RemoteReranker, RemoteLLM), so the engine's retrieval and answering run on them unchanged. Autoscaling: give
@@ -240,9 +241,10 @@ class RemoteReranker:
 
 
 class RemoteLLM:
-    """A LocalLLM in the Generator deployment: generate() streams token by token when asked to (on_text) and stops
-    when cancelled() turns true; otherwise it is one unary call, batched with others by the deployment. Lookback
-    recording needs the model in this process, so confidence is not offered here."""
+    """A LocalLLM in the Generator deployment: generate() streams token by token when given on_text or cancelled
+    (and stops decoding in the replica when cancelled() turns true); a call with neither is one unary call, batched
+    with others by the deployment. Lookback recording needs the model in this process, so confidence is not offered
+    here."""
 
     records_lookback = False
     streams_text = True
@@ -282,21 +284,14 @@ class RemoteLLM:
                              "model runs in its Generator deployment")
         options.pop("record_lookback", None)
         options = {k: (list(v) if isinstance(v, tuple) else v) for k, v in options.items()}
-        if on_text is None:
-            return self._unary(messages, options, cancelled)
-        return self._streamed(messages, options, on_text, cancelled)
+        if on_text is None and cancelled is None:
+            return self._unary(messages, options)
+        # a call that can be cancelled streams: the stream's decoding stops at the next token when the caller goes,
+        # where a batched decode would run on to max_new_tokens in the replica
+        return self._streamed(messages, options, on_text or (lambda piece: None), cancelled)
 
-    def _unary(self, messages, options, cancelled) -> Generation:
-        response = self._h.generate.remote(messages, options)
-        while True:
-            try:
-                out = response.result(timeout_s=0.1)
-                break
-            except TimeoutError:
-                if cancelled is not None and cancelled():
-                    response.cancel()
-                    return Generation(text="", input_tokens=0, output_tokens=0, seconds=0.0,
-                                      finish_reason="cancelled")
+    def _unary(self, messages, options) -> Generation:
+        out = self._h.generate.remote(messages, options).result()
         if isinstance(out, BaseException):
             raise out
         return _from_dict(out)

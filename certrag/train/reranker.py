@@ -75,12 +75,18 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         train = train[:max_questions]
     corpus = sorted({it.gold_text for it in train} | {passage_text(t, x) for t, x, _ in wiki_leads()})
     log.info("mining corpus: %d passages; %d train questions", len(corpus), len(train))
-    corpus_emb = embedder.embed(corpus)
-    q_emb = embedder.embed([it.question for it in train])
+    def embed_all(texts: list[str], desc: str) -> np.ndarray:
+        # in slices, for a progress bar: a row's vector does not depend on its batch (certrag.embed pads to a grid)
+        parts = [embedder.embed(texts[i:i + 1024])
+                 for i in tqdm(range(0, len(texts), 1024), desc=desc, unit="x1024", disable=not progress)]
+        return np.concatenate(parts) if parts else np.zeros((0, embedder.dim), np.float32)
+
+    corpus_emb = embed_all(corpus, "embedding the mining corpus")
+    q_emb = embed_all([it.question for it in train], "embedding the train questions")
     position = {t: i for i, t in enumerate(corpus)}
 
     groups, val = [], []
-    for it, q in zip(train, q_emb):
+    for it, q in tqdm(list(zip(train, q_emb)), desc="mining hard negatives", unit="q", disable=not progress):
         scores = corpus_emb @ q
         top = np.argsort(-scores)[:candidates]
         gold = position[it.gold_text]
