@@ -24,9 +24,6 @@ from certrag.config import EngineConfig
 from certrag.documents import Document, document_files, load_documents
 from certrag.ingest import GROUP, Prepared
 
-_COLUMNS = ("id", "text", "metadata")  # every source is normalised to these (metadata as a JSON string)
-
-
 def _rows(docs: list[Document], source: int = 0, file: int = 0) -> dict:
     """The columns of documents, with their place in the corpus (source, file, row): Ray may hand batches back in
     any order, and chunk ids are given in the corpus's order."""
@@ -46,7 +43,7 @@ def _read_files(batch: dict) -> dict:
 
 
 def _source_dataset(source: object, number: int):
-    """A Ray dataset of _COLUMNS for one source: a path (a file or a folder: one read task per file, reading
+    """A Ray dataset of _rows' columns (metadata as a JSON string) for one source: a path (a file or a folder: one read task per file, reading
     as load_documents does, so ids and metadata are the same) or documents in memory."""
     import ray.data
 
