@@ -110,6 +110,16 @@ def document_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in DOCUMENT_SUFFIXES)
 
 
+def existing_path(item: object) -> Path | None:
+    """The file or folder that item names, when it is an os.PathLike or a one-line string naming something that
+    exists (the rule load_documents reads paths by); None otherwise."""
+    if isinstance(item, os.PathLike):
+        return Path(item)
+    if isinstance(item, str) and len(item) < 4096 and "\n" not in item and Path(item).expanduser().exists():
+        return Path(item).expanduser()
+    return None
+
+
 def _looks_like_path(text: str) -> bool:
     if not text or len(text) > 4096 or any(c.isspace() for c in text):
         return False
@@ -137,8 +147,9 @@ def load_documents(documents: object) -> list[Document]:
         elif isinstance(item, os.PathLike):
             out += _from_path(Path(item))
         elif isinstance(item, str):
-            if len(item) < 4096 and "\n" not in item and Path(item).expanduser().exists():
-                out += _from_path(Path(item).expanduser())
+            found = existing_path(item)
+            if found is not None:
+                out += _from_path(found)
             elif _looks_like_path(item):
                 raise FileNotFoundError(f"documents[{i}]: no such file or folder: {item!r} (pass a dict "
                                         "{'text': ...} to index it as text)")

@@ -21,8 +21,9 @@ from typing import Iterator
 import numpy as np
 
 from certrag.config import EngineConfig
-from certrag.documents import Document, document_files, load_documents
+from certrag.documents import Document, document_files, existing_path, load_documents
 from certrag.ingest import GROUP, Prepared
+
 
 def _rows(docs: list[Document], source: int = 0, file: int = 0) -> dict:
     """The columns of documents, with their place in the corpus (source, file, row): Ray may hand batches back in
@@ -43,13 +44,12 @@ def _read_files(batch: dict) -> dict:
 
 
 def _source_dataset(source: object, number: int):
-    """A Ray dataset of _rows' columns (metadata as a JSON string) for one source: a path (a file or a folder: one read task per file, reading
-    as load_documents does, so ids and metadata are the same) or documents in memory."""
+    """A Ray dataset of _rows' columns (metadata as a JSON string) for one source: a path (a file or a folder: one
+    read task per file, reading as load_documents does, so ids and metadata are the same) or documents in memory."""
     import ray.data
 
-    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source and len(source) < 4096
-                                           and Path(source).expanduser().exists()):
-        path = Path(source).expanduser()
+    path = existing_path(source)
+    if path is not None:
         if path.is_dir():
             files, root = document_files(path), str(path)
             if not files:
