@@ -41,6 +41,7 @@ CONDITIONS = [("plain", "plain", None), ("chain_of_note", "chain_of_note", None)
               ("plain", "plain", 1.0), ("chain_of_note", "chain_of_note", 1.0),
               ("plain", "plain", 0.5), ("chain_of_note", "chain_of_note", 0.5)]
 K = 5
+DEFAULT_READER = "qwen2.5-coder-0.5b-instruct"
 
 
 def _shard_path(args, shard: int, reverse: bool = False) -> Path:
@@ -54,12 +55,33 @@ def _records(args) -> list[dict]:
     return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
 
 
-def _wanted(qi: int, noise, args) -> bool:
+def selected_conditions(spec: str) -> list[tuple[int, tuple]]:
+    """--conditions: N (the first N) or a comma list of strategy@noise ('plain@1.0,chain_of_note@1.0'; noise
+    'retrieved' for the engine's own retrieval), as (index into CONDITIONS, condition) pairs; indices are what the
+    shard files record, so a selection and a full run share rows."""
+    if spec.isdigit():
+        return list(enumerate(CONDITIONS[: int(spec)]))
+    chosen = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        label, _, noise = item.partition("@")
+        want = None if noise in ("", "retrieved") else float(noise)
+        match = [(c, cond) for c, cond in enumerate(CONDITIONS) if cond[0] == label and cond[2] == want]
+        if not match:
+            raise SystemExit(f"--conditions: no condition {item!r}; choose from "
+                             + ", ".join(f"{lab}@{'retrieved' if n is None else n}" for lab, _, n in CONDITIONS))
+        chosen += match
+    return chosen
+
+
+def _limit(noise, args) -> int:
+    """How many of the first test questions a condition of this noise ratio runs on."""
     if noise == 0.0:
-        return qi < args.scan
-    if noise is None:
-        return qi < args.questions
-    return qi < args.noise_questions
+        return args.scan
+    return args.questions if noise is None else args.noise_questions
+
+
+def _wanted(qi: int, noise, args) -> bool:
+    return qi < _limit(noise, args)
 
 
 def worker(args) -> None:
@@ -75,8 +97,8 @@ def worker(args) -> None:
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model, dtype=args.dtype)
-    conditions = CONDITIONS[: args.conditions]
-    last = max(args.questions, args.noise_questions, args.scan)
+    conditions = selected_conditions(args.conditions)
+    last = max(_limit(noise, args) for _, (_, _, noise) in conditions)
     indexed = list(enumerate(load_nq_open(split="test")[:last]))[args.shard::args.workers]
     if args.reverse:  # a helper on a free core, taking a slow shard's questions from its end
         indexed = indexed[::-1]
@@ -87,7 +109,7 @@ def worker(args) -> None:
             if args.reverse:  # stop where the shard's own worker has got to
                 done |= {(r["q"], r["condition"]) for r in _records(args)}
             retrievals = {}  # the noise conditions of one question share its retrievals
-            for c, (label, strategy, noise) in enumerate(conditions):
+            for c, (label, strategy, noise) in conditions:
                 if (qi, c) in done or not _wanted(qi, noise, args):
                     continue
                 report = evaluate(engine, [item], strategy, noise_ratio=noise, k=K, progress=False,
@@ -123,8 +145,9 @@ def main() -> None:
     p.add_argument("--noise-questions", type=int, default=100, help="questions for noise 0.5 and 1.0")
     p.add_argument("--scan", type=int, default=700, help="questions scanned for noise 0's five relevant passages")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--conditions", type=int, default=len(CONDITIONS), help="run only the first N conditions")
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--conditions", default=str(len(CONDITIONS)),
+                   help="the first N conditions, or a list such as plain@1.0,chain_of_note@1.0")
+    p.add_argument("--model", default=DEFAULT_READER, help="a bundled reader, e.g. qwen2.5-coder-1.5b-instruct")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="the reader's weights (bfloat16 prefills about 2x faster on a CPU with AVX512-BF16)")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the shard files")
@@ -148,21 +171,21 @@ def main() -> None:
                 _shard_path(args, i).unlink(missing_ok=True)
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # build it once, before the workers
         forwarded = ["--workers", str(args.workers), "--questions", str(args.questions), "--noise-questions",
-                     str(args.noise_questions), "--scan", str(args.scan), "--conditions", str(args.conditions),
+                     str(args.noise_questions), "--scan", str(args.scan), "--conditions", args.conditions,
                      "--model", args.model, "--dtype", args.dtype] + (["--resume"] if args.resume else [])
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded])
                  for i in range(args.workers)]
         for proc in procs:
             if proc.wait() != 0:
                 raise SystemExit(f"a worker failed with exit code {proc.returncode}")
-    conditions = CONDITIONS[: args.conditions]
+    conditions = dict(selected_conditions(args.conditions))
     by_q: dict[int, dict[int, dict | None]] = {}
     for r in _records(args):
         by_q.setdefault(r["q"], {})[r["condition"]] = r["row"]
 
     # Paired sets: within a ratio, the questions every strategy of that ratio has answered (or skipped).
     ratio_conditions = collections.defaultdict(list)
-    for c, (_, _, noise) in enumerate(conditions):
+    for c, (_, _, noise) in conditions.items():
         ratio_conditions[noise].append(c)
     summaries, all_rows, counts = [], [], {}
     for noise, cs in ratio_conditions.items():
@@ -215,7 +238,8 @@ def main() -> None:
         return f"{c['eligible']} of {c['asked']}" if c else "n/a"
 
     text = "\n".join([
-        "### Answering strategies (bench_qa.py)\n",
+        "### Answering strategies (bench_qa.py)\n" if args.model == DEFAULT_READER else
+        f"### Answering strategies with {args.model} (bench_qa.py --model)\n",
         (f"**Verdict:** on the engine's own retrieval ({n_of(None)} questions) EM is plain {val('plain', None)}, "
          f"chain_of_note {val('chain_of_note', None)}, feedback(plain) {val('feedback', None)} (EM / cost: plain "
          f"{val('plain', None, 'cost_efficiency', '{:.3g}')}, feedback "
@@ -247,8 +271,10 @@ def main() -> None:
         _common.footer(meta)])
     print(text)
     if not args.no_write:
-        _common.write_rows("bench_qa", all_rows, meta)
-        _common.update_results_md("bench_qa", text)
+        # The default reader's run is bench_qa; another reader's (the deciding conditions) gets its own section.
+        name = "bench_qa" if args.model == DEFAULT_READER else f"bench_qa-{args.model}"
+        _common.write_rows(name, all_rows, meta)
+        _common.update_results_md(name, text)
 
 
 if __name__ == "__main__":
