@@ -1,7 +1,8 @@
 """The two encoders on this CPU: every backend tried, its speed and its quality, side by side on the same inputs.
 
 Backends: torch float32 (the reference; "today" = float32 with the old padding of a call's pairs to its longest
-one), torch bfloat16, torch int8 dynamic quantisation, and ONNX Runtime float32 and int8 (dynamic quantisation of
+one), torch bfloat16, certrag's int8 (per-row activation scales, batch-independent: certrag.quantize), torch's
+dynamic int8 quantisation (one activation scale per batch: "int8-dynamic"), and ONNX Runtime float32 and int8 (dynamic quantisation of
 the exported graph; the runtime that sentence-transformers' and fastembed's CPU paths use). All share the same
 tokenizer and the same length-sorted batches, so the table compares the backends and nothing else.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-ALL = ("float32", "bfloat16", "int8", "onnx-float32", "onnx-int8")
+ALL = ("float32", "bfloat16", "int8", "int8-dynamic", "onnx-float32", "onnx-int8")
 PARTIAL = _common.DATA_DIR / "bench_encoders_partial.json"
 
 
@@ -94,10 +95,26 @@ def _onnx_session(kind: str, precision: str, threads: int):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+def _torch_dynamic_int8(model):
+    """torch's dynamic quantisation of every Linear (one activation scale per batch): the int8 path before
+    certrag's per-row one, kept here for comparison."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():  # torch points users of eager quantisation at torchao; it still works
+        warnings.simplefilter("ignore")
+        return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+
+
 def make_reranker(backend: str, threads: int):
     """An object with cross_scores(questions, passages) and dense_weight, for any backend in ALL."""
     from certrag.rerank import CrossEncoderReranker
 
+    if backend == "int8-dynamic":
+        r = CrossEncoderReranker(backend="float32")
+        r._model = _torch_dynamic_int8(r._model)
+        return r
     if not backend.startswith("onnx-"):
         return CrossEncoderReranker(backend=backend)
     import numpy as np
@@ -125,6 +142,10 @@ def make_embedder(backend: str, threads: int):
     """An Embedder (memo off) for any backend in ALL; the ONNX ones replace only the forward pass."""
     from certrag.embed import Embedder
 
+    if backend == "int8-dynamic":
+        e = Embedder(backend="float32", memo_size=0)
+        e._model = _torch_dynamic_int8(e._model)
+        return e
     if not backend.startswith("onnx-"):
         return Embedder(backend=backend, memo_size=0)
     import numpy as np
@@ -515,14 +536,9 @@ def main() -> None:
     if not args.no_write:
         _common.write_rows("bench_encoders", [partial], meta)
         _common.update_results_md("bench_encoders", text)
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         import plots
 
-        plots.stages(plt)
+        plots.draw(plots.stages)
 
 
 if __name__ == "__main__":

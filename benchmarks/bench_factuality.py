@@ -29,6 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 
+def _points(label, score) -> dict:
+    """The held-out (label, score) pairs a ROC curve is drawn from (benchmarks/plots.py), finite scores only."""
+    import numpy as np
+
+    label, score = np.asarray(label), np.asarray(score, dtype=np.float64)
+    keep = np.isfinite(score)
+    return {"label": label[keep].astype(int).tolist(), "score": [round(float(v), 6) for v in score[keep]]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train-questions", type=int, default=400)
@@ -103,8 +112,10 @@ def main() -> None:
             d = parts[("test", test_kind)]
             xt = feat(d)
             kt = np.isfinite(xt).all(1)
-            row[f"heldout_{test_kind}"] = auroc(d["label"][kt], clf.predict_vectors(xt[kt]))
+            pred = clf.predict_vectors(xt[kt])
+            row[f"heldout_{test_kind}"] = auroc(d["label"][kt], pred)
             row[f"test_n_{test_kind}"] = int(kt.sum())
+            row[f"heldout_{test_kind}_points"] = _points(d["label"][kt], pred)
         rows.append(row)
     for key, name in (("mean_logprob", "mean token log-probability (baseline)"),
                       ("top_rerank", "best fused reranker score of the passages (baseline)")):
@@ -114,9 +125,10 @@ def main() -> None:
             d = parts[("test", test_kind)]
             row[f"heldout_{test_kind}"] = auroc(d["label"], d[key])
             row[f"test_n_{test_kind}"] = int(np.isfinite(d[key]).sum())
+            row[f"heldout_{test_kind}_points"] = _points(d["label"], d[key])
         rows.append(row)
     for r in rows:
-        print(r, file=sys.stderr)
+        print({k: v for k, v in r.items() if not k.endswith("_points")}, file=sys.stderr)
     bal = {f"{s} {k}": (float(d["label"].mean()), float(d["label"][d["with_gold"] == 1].mean()),
                         float(d["label"][d["with_gold"] == 0].mean())) for (s, k), d in parts.items()}
     meta = _common.meta({"bench": "bench_factuality", "model": args.model, "train_questions": args.train_questions,
@@ -138,10 +150,14 @@ def main() -> None:
                                [[r["score"], r["features"], r["cv_auroc"], r["heldout_protocol"],
                                  r["heldout_engine"], r["C"], r["train_n"],
                                  f"{r['test_n_protocol']} / {r['test_n_engine']}"] for r in rows]),
+        "\n![ROC curves on held-out answers](results/factuality_roc.png)\n" if not args.no_write else "",
         _common.footer(meta)])
     print(text)
     if not args.no_write:
         _common.write_rows("bench_factuality", rows, meta)
+        import plots
+
+        plots.draw(plots.roc)
         _common.update_results_md("bench_factuality", text)
 
 

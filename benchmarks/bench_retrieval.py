@@ -223,14 +223,9 @@ def main() -> None:
     if not args.no_write:
         _common.write_rows("bench_retrieval", quality + curve + [tuned] + latency + throughput, meta)
         _common.update_results_md("bench_retrieval", text)
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
         import plots
 
-        plots.selection(plt)
+        plots.draw(plots.selection)
 
 
 if __name__ == "__main__":

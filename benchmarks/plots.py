@@ -4,7 +4,9 @@
   (bench_index);
 - retrieval_selection.png: gold recall against mean context tokens for top-k and every selector, each point
   labelled with its setting (bench_retrieval);
-- retrieve_stages.png: where a query's time goes, per retrieval path (bench_encoders' speed part).
+- retrieve_stages.png: where a query's time goes, per retrieval path (bench_encoders' speed part);
+- factuality_roc.png: ROC curves of every factual-confidence score on held-out answers, the engine's own and the
+  noise protocol's (bench_factuality).
 
     python benchmarks/plots.py
 """
@@ -99,16 +101,48 @@ def stages(plt) -> Path | None:
     return out
 
 
-def main() -> None:
+def roc(plt) -> Path | None:
+    rows = [r for r in _rows("bench_factuality") if "heldout_engine_points" in r]
+    if not rows:
+        return None
+    from sklearn.metrics import roc_curve
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    for ax, kind, title in ((axes[0], "engine", "the engine's own answers"),
+                            (axes[1], "protocol", "noise-protocol answers (3 passages)")):
+        for r in rows:
+            pts = r[f"heldout_{kind}_points"]
+            if len(set(pts["label"])) < 2:
+                continue
+            fpr, tpr, _ = roc_curve(pts["label"], pts["score"])
+            ax.plot(fpr, tpr, label=f"{r['score']} ({r[f'heldout_{kind}']:.3f})", lw=1.4)
+        ax.plot([0, 1], [0, 1], ":", color="grey", lw=1)
+        ax.set_xlabel("false positive rate (unsupported answers trusted)")
+        ax.set_ylabel("true positive rate")
+        ax.set_title(f"held-out test: {title}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, loc="lower right", title="score (AUROC)", title_fontsize=7)
+    fig.tight_layout()
+    out = _common.RESULTS_DIR / "factuality_roc.png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def draw(*drawers) -> None:
+    """Draw the given pictures (default: every one) from the recorded rows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for draw in (hnsw, selection, stages):
-        out = draw(plt)
+    for drawer in drawers or (hnsw, selection, stages, roc):
+        out = drawer(plt)
         plt.close("all")
-        print(f"{draw.__name__}: {out.relative_to(_common.ROOT) if out else 'no rows yet'}")
+        print(f"{drawer.__name__}: {out.relative_to(_common.ROOT) if out else 'no rows yet'}")
+
+
+def main() -> None:
+    draw()
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@ Backends, measured side by side in benchmarks/bench_encoders.py (RESULTS.md keep
 - ``float32``: torch float32, the reference every other backend is checked against.
 - ``bfloat16``: the weights and activations in bfloat16, accumulated in float32 by oneDNN. Needs a CPU with
   AVX512_BF16 (or AMX) to be fast; without it bfloat16 is emulated and slower than float32, so it falls back.
-- ``int8``: torch dynamic quantisation of every Linear (int8 weights, activations quantised per batch). Needs VNNI
-  to be fast; it falls back without it. It held every quality bound on NQ-open and is the fastest here, but its
-  activation scale is taken over the whole batch, so a text's numbers depend on what it is batched with (up to
-  0.23 logits measured): under the server's dynamic batching the same request can rank differently. Opt-in.
+- ``int8``: every Linear with int8 weights (one scale per output channel) and its input quantised per row (one
+  scale per token), multiplied exactly in int32 (``torch._int_mm``, VNNI through oneDNN) and rescaled to float32;
+  the rest of the network runs in float32. Because each token row has its own scale and integer products are exact,
+  a text's numbers do not depend on what it is batched with (torch's dynamic quantisation takes one activation
+  scale over the whole batch: the same pairs moved by up to 0.23 logits beside others, which under the server's
+  dynamic batching would make a request's ranking depend on who else asked; bench_encoders keeps it as
+  ``int8-dynamic`` for comparison). Needs VNNI to be fast; it falls back without it.
 - ``auto`` (the default): the fastest backend that held the quality bounds and gives a text the same numbers
   whatever its batch -- bfloat16 where the CPU has it natively, else float32.
 
@@ -98,7 +101,7 @@ def resolve(requested: str = "auto", features: frozenset[str] | None = None) -> 
 
 
 def prepare(model, backend: str):
-    """The model converted for `backend` (float32 | bfloat16 | int8), in eval mode. int8 returns a new module."""
+    """The model converted for `backend` (float32 | bfloat16 | int8), in eval mode (int8: its Linears replaced)."""
     import torch
 
     model = model.eval()
@@ -107,12 +110,12 @@ def prepare(model, backend: str):
     if backend == "bfloat16":
         return model.to(torch.bfloat16)
     if backend == "int8":
-        import warnings
+        from certrag.quantize import rowwise_int8
 
-        with warnings.catch_warnings():  # torch points users of eager quantisation at torchao; it still works
-            warnings.simplefilter("ignore")
-            return torch.ao.quantization.quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+        return rowwise_int8(model.float())
     raise ValueError(f"backend must be float32, bfloat16 or int8; got {backend!r}")
+
+
 
 
 def grid_width(length: int, grid: int) -> int:

@@ -207,7 +207,7 @@ def test_a_rows_result_does_not_depend_on_what_it_is_batched_with(texts):
     whatever the backend."""
     from certrag.rerank import CrossEncoderReranker
 
-    for backend in ("float32", "auto"):
+    for backend in ("float32", "auto", "int8"):
         e = Embedder(backend=backend, memo_size=0, batch_size=4)
         alone = np.stack([e.embed([t])[0] for t in texts[:6]])
         mixed = e.embed(texts[:6] + texts[10:20])[:6]
@@ -230,3 +230,40 @@ def test_length_batches_keep_to_the_token_budget():
             assert len(b) == 1 or len(b) * width <= 128
     # short rows go several to a batch, long ones alone
     assert [len(b) for b in length_batches(lengths, 32, 16, max_tokens=128)] == [1, 1, 4, 1]
+
+
+def test_rowwise_int8_linear_against_a_hand_quantisation():
+    """Oracle: numpy in float64 -- weights quantised per output channel, each input row per row, the integer
+    product exact, then rescaled. The layer must agree to float32 rounding, and a row must not move when batched."""
+    from certrag.quantize import RowwiseInt8Linear, rowwise_int8
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(24, 10)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(10, 24, generator=g))
+        lin.weight[3] *= 40.0  # channels of very different ranges get their own scales
+    x = torch.randn(7, 24, generator=g)
+    x[2] *= 1e-3  # rows too
+    w = lin.weight.detach().double().numpy()
+    ws = np.abs(w).max(1) / 127.0
+    wq = np.round(w / ws[:, None])
+    xv = x.double().numpy()
+    xs = np.abs(xv).max(1, keepdims=True) / 127.0
+    xq = np.round(xv / xs)
+    assert np.abs(wq).max() <= 127 and np.abs(xq).max() <= 127
+    want = (xq @ wq.T) * xs * ws[None, :] + lin.bias.detach().double().numpy()
+    layer = RowwiseInt8Linear.from_linear(lin)
+    assert layer.weight_t.dtype == torch.int8
+    got = layer(x).detach().double().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # and it is close to the float layer: within the quantisation steps
+    exact = (xv @ w.T) + lin.bias.detach().double().numpy()
+    assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
+    # one row alone is bit for bit the row inside a batch (and inside a 3-d batch)
+    for i in range(7):
+        assert torch.equal(layer(x[i:i + 1])[0], layer(x)[i])
+    assert torch.equal(layer(x.reshape(1, 7, 24))[0], layer(x))
+    # rowwise_int8 replaces every Linear of a module, nested ones included
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    net = rowwise_int8(net)
+    assert [type(m).__name__ for m in net.modules() if "Linear" in type(m).__name__] == ["RowwiseInt8Linear"] * 2

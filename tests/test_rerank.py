@@ -87,8 +87,9 @@ def test_reduced_precision_backends_track_float32_or_fall_back(backend):
     questions, passages = _mixed_length_pairs()
     want = _hf_cross_scores(questions, passages)
     got = r.cross_scores(questions, passages)
-    # bfloat16 keeps 8 bits of mantissa: logits (spread over ~15) move by a few hundredths; dynamic int8 by more
-    tol = {"float32": 2e-4, "bfloat16": 0.15, "int8": 1.5}[r.backend.backend]
+    # bfloat16 keeps 8 bits of mantissa: logits (spread over ~15) move by a few hundredths; int8 with a scale per
+    # token and per channel by about 0.1 (torch's dynamic int8, one scale per batch, moved them by up to 1.3)
+    tol = {"float32": 2e-4, "bfloat16": 0.15, "int8": 0.4}[r.backend.backend]
     assert np.max(np.abs(got - want)) < tol
     # the ranking of clearly separated passages is kept
     top = np.argsort(-want)[:3]
