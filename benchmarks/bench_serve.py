@@ -8,8 +8,8 @@ Servers (each its own process, started and stopped here, on the NQ benchmark sto
   through transformers per request (float32, padded batch), hnswlib over the store's vectors (see plain_app below).
 
 Load: closed-loop clients (threads, one keep-alive HTTP connection each) at 1, 4, 16 and 64 concurrent clients, each
-sending its share of NQ-open test questions to /v1/retrieve (rerank on and off); /v1/answer with the small reader,
-streamed, for time to first token. Reported: throughput, p50/p90/p99, status counts, and whether the results equal
+sending its share of NQ-open test questions to /v1/retrieve (rerank on and off); /v1/answer with --reader (default
+the small one), streamed, for time to first token. --store scale runs on bench_scale's 125k-chunk store instead. Reported: throughput, p50/p90/p99, status counts, and whether the results equal
 the serialised server's. Python threads as clients: no extra dependency, and the clients' cost is the same for every
 server (it shares the 2 cores with the server, which the numbers include).
 
@@ -217,10 +217,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", default="1,4,16,64")
     p.add_argument("--requests", type=int, default=128, help="requests per load level")
-    p.add_argument("--answers", type=int, default=8, help="streamed /v1/answer requests per level (small reader)")
+    p.add_argument("--answers", type=int, default=8, help="streamed /v1/answer requests per level")
     p.add_argument("--servers", default="serialised,certrag,plain",
                    help="which servers to run (the serialised one is the reference for identical rankings)")
     p.add_argument("--encoder-depth", type=int, default=None, help="certrag serve --encoder-depth for this run")
+    p.add_argument("--store", choices=("nq", "scale"), default="nq",
+                   help="nq: the 12.7k-chunk NQ store; scale: bench_scale's 125k-chunk store (build it with "
+                        "benchmarks/bench_scale.py first)")
+    p.add_argument("--reader", default=SMALL, help="the reader behind /v1/answer (a bundled model name)")
     p.add_argument("--plain-server", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--no-write", action="store_true")
@@ -235,16 +239,25 @@ def main() -> None:
 
     from _nq import cached_embedder, nq_store
 
-    engine, _ = nq_store(cached_embedder(), None)
+    if args.store == "scale":
+        from certrag.engine import Engine
+
+        store = _common.DATA_DIR / "scale_store"
+        if not (store / "CURRENT").exists():
+            p.error(f"--store scale: no store at {store}; build it with: python benchmarks/bench_scale.py")
+        engine = Engine.open(store, read_only=True)
+    else:
+        engine, _ = nq_store(cached_embedder(), None)
     store, chunks = engine.path, len(engine)
     engine.close()
+    store_name = ("bench_scale's store of 32-token chunks" if args.store == "scale" else "the NQ benchmark store")
     questions = [it.question for it in load_nq_open(split="test")]
     levels = [int(c) for c in args.clients.split(",")]
     rows = []
     reference: dict[tuple, dict] = {}
     servers = [k.strip() for k in args.servers.split(",") if k.strip()]
     for kind in servers:
-        proc, port = start(kind, store, extra=["--encoder-depth", str(args.encoder_depth)]
+        proc, port = start(kind, store, args.reader, extra=["--encoder-depth", str(args.encoder_depth)]
                            if args.encoder_depth and kind != "plain" else [])
         try:
             for rerank in (True, False):
@@ -268,7 +281,7 @@ def main() -> None:
                 for clients in (1, 4):
                     r = load(port, "/v1/answer", payloads, clients, stream=True)
                     r.pop("_bodies")
-                    rows.append({"server": kind, "route": "/v1/answer stream (SmolLM2-135M)", **r})
+                    rows.append({"server": kind, "route": f"/v1/answer stream ({args.reader})", **r})
                     print(json.dumps(rows[-1]), file=sys.stderr)
         finally:
             stop(proc)
@@ -292,8 +305,8 @@ def main() -> None:
     meta = _common.meta({"bench": "bench_serve", "store_chunks": chunks})
     lines = ["### certrag serve under load (bench_serve.py)\n",
              "**Verdict:** " + "; ".join(verdicts) + ".\n",
-             f"Store: the NQ benchmark store ({chunks:,} chunks; the >= 100k-chunk store of bench_scale was not "
-             f"rebuilt for this run). Clients: closed-loop threads on the same 2 cores as the server, "
+             f"Store: {store_name} ({chunks:,} chunks). Clients: closed-loop threads on the same 2 cores as the "
+             f"server, "
              f"{args.requests} requests per level.\n",
              _common.markdown_table(
                  ["server", "route", "clients", "req/s", "p50 ms", "p90 ms", "p99 ms", "TTFT p50 ms", "statuses",
