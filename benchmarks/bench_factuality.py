@@ -16,12 +16,16 @@ token log-probability and the best *fused* reranker score of its passages (cross
 the engine ranks by). AUROC cross-validated on train (5 folds, C chosen on the same folds: slightly optimistic) and on
 the held-out test questions (fit on all of train).
 
+The four sets of answers (train / test x protocol / engine) are collected by --workers processes, one core each,
+and cached (train sets under CERTRAG_HOME, test sets in benchmarks/data), so a rerun only refits and reports.
+
     python benchmarks/bench_factuality.py --test-questions 200
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,9 +47,14 @@ def main() -> None:
     p.add_argument("--train-questions", type=int, default=400)
     p.add_argument("--test-questions", type=int, default=200)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--workers", type=int, default=2,
+                   help="processes collecting the four sets of answers (one torch thread and one core each)")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    _common.pin_threads(1)
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
+    _common.pin_threads(1, offset=args.worker or 0)
 
     import hashlib
 
@@ -87,9 +96,22 @@ def main() -> None:
         save_examples(path, data, meta)
         return data
 
-    parts = {(split, kind): examples(split, n, kind, certrag_home() if split == "train" else _common.DATA_DIR)
-             for split, n in (("train", args.train_questions), ("test", args.test_questions))
-             for kind in ("protocol", "engine")}
+    wanted = [(split, n, kind, certrag_home() if split == "train" else _common.DATA_DIR)
+              for split, n in (("train", args.train_questions), ("test", args.test_questions))
+              for kind in ("protocol", "engine")]
+    if args.worker is not None:  # collect this worker's share of the sets (each cached as it is done) and stop
+        for part in wanted[args.worker::args.workers]:
+            examples(*part)
+        return
+    if args.workers > 1:  # the sets are independent: collect them in parallel, then read them from the cache
+        forwarded = ["--train-questions", str(args.train_questions), "--test-questions", str(args.test_questions),
+                     "--model", args.model, "--workers", str(args.workers)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), *forwarded])
+                 for i in range(min(args.workers, len(wanted)))]
+        for proc in procs:
+            if proc.wait() != 0:
+                raise SystemExit(f"a worker failed with exit code {proc.returncode}")
+    parts = {(split, kind): examples(split, n, kind, where) for split, n, kind, where in wanted}
 
     def joined(split):
         a, b = parts[(split, "protocol")], parts[(split, "engine")]
