@@ -14,8 +14,9 @@ applied to the test split. Bounds (issue 16): MRR@10 and R@1 within 0.003 of flo
 segmentation F1 within 0.005; adaptive MRR@10 drop <= 0.002.
 
 Speed (run alone, pinned, warmed up, repeated, medians): reranking one question's 20 candidates; embedding
-sentences in bulk and one question; retrieve() end to end on the 12.7k-chunk store for today's path, the default
-path and the default with adaptive reranking; indexing MB/min with SAGE on a sample of bench_scale's corpus.
+sentences in bulk and one question; retrieve() end to end on the 12.7k-chunk store for today's path, each
+reduced-precision backend the CPU runs natively (the default marked) and the default with adaptive reranking;
+indexing MB/min with SAGE on a sample of bench_scale's corpus, today's path against each of those backends.
 
     python benchmarks/bench_encoders.py --part quality        # ~40 min on 2 cores
     python benchmarks/bench_encoders.py --part speed          # ~15 min, alone
@@ -355,9 +356,11 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
         def split(self, text):
             return self._seg.split(text)
 
-    for name in ("today: float32, one document at a time, no memo", "default: auto backend, batched, each text once"):
+    paths = {"today: float32, one document at a time, no memo": "float32"}
+    paths.update({f"{_label(b)}, batched, each text once": b for b in _native_backends()})
+    for name, backend in paths.items():
         today = name.startswith("today")
-        emb = Embedder(backend="float32", memo_size=0, pad_grid=0) if today else Embedder()
+        emb = Embedder(backend="float32", memo_size=0, pad_grid=0) if today else Embedder(backend=backend)
         config = EngineConfig(encoder_backend=emb.backend.requested, retrieval=RetrievalConfig(rerank=False))
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
@@ -371,6 +374,19 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
                                 "mb_per_min": mb / dt * 60})
         print(f"indexing {name}: {mb / dt * 60:.3f} MB/min", file=sys.stderr)
     return out
+
+
+def _native_backends() -> list[str]:
+    """The reduced-precision backends this CPU runs natively (bfloat16, int8), in that order."""
+    from certrag.backends import resolve
+
+    return [b for b in ("bfloat16", "int8") if resolve(b).backend == b]
+
+
+def _label(backend: str) -> str:
+    from certrag.backends import resolve
+
+    return f"{backend} (the default: auto)" if resolve("auto").backend == backend else backend
 
 
 def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
@@ -390,14 +406,15 @@ def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
             Embedder(backend="float32", memo_size=0, pad_grid=0),
             CrossEncoderReranker(backend="float32", pad_grid=0),
             cfg.replace(encoder_backend="float32", retrieval=RetrievalConfig(candidates=cand, rerank_batch=32))),
-        "default: auto backend, length-sorted batches on a padding grid": Retriever(
-            Embedder(memo_size=0), CrossEncoderReranker(), cfg.replace(retrieval=RetrievalConfig(candidates=cand))),
-        "default + adaptive reranking": Retriever(
-            Embedder(memo_size=0), CrossEncoderReranker(),
-            cfg.replace(retrieval=RetrievalConfig(candidates=cand, adaptive_rerank=True))),
     }
-    if not CrossEncoderReranker().skip_rule:
-        del paths["default + adaptive reranking"]
+    for backend in _native_backends():  # each reduced-precision backend this CPU runs, the default marked
+        paths[f"{_label(backend)}, length-sorted batches on a padding grid"] = Retriever(
+            Embedder(backend=backend, memo_size=0), CrossEncoderReranker(backend=backend),
+            cfg.replace(encoder_backend=backend, retrieval=RetrievalConfig(candidates=cand)))
+    if CrossEncoderReranker().skip_rule:
+        paths["default + adaptive reranking"] = Retriever(
+            Embedder(memo_size=0), CrossEncoderReranker(),
+            cfg.replace(retrieval=RetrievalConfig(candidates=cand, adaptive_rerank=True)))
     lat = {n: [] for n in paths}
     stage_ms = {n: {k: [] for k in ("embed_ms", "search_ms", "rerank_ms", "select_ms")} for n in paths}
     skipped = {n: 0 for n in paths}
@@ -433,6 +450,7 @@ def _save(partial: dict) -> None:
 def report(partial: dict, meta: dict) -> str:
     import numpy as np
 
+    from certrag.backends import resolve
     from certrag.rerank import CrossEncoderReranker
     from certrag.train.skip_rule import apply
 
@@ -462,7 +480,7 @@ def report(partial: dict, meta: dict) -> str:
                                           "diff", "within bounds", "rerank ms", "rerank speed-up", "embed sent/s",
                                           "embed question ms"], rows)]
         rule = CrossEncoderReranker(backend="float32").skip_rule
-        default = "bfloat16" if "bfloat16" in q else "float32"
+        default = resolve("auto").backend
         if rule and default in q:
             d = q[default]
             a = apply(np.array(d["gaps"]), np.array(d["rr_dense"]), np.array(d["rr"]), rule["threshold"])

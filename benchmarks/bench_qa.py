@@ -237,20 +237,29 @@ def main() -> None:
         c = counts.get(noise)
         return f"{c['eligible']} of {c['asked']}" if c else "n/a"
 
+    def verdict() -> str:
+        """The headline numbers of the conditions that ran (a run of a few conditions reports only those)."""
+        parts = []
+        if None in ratio_conditions:
+            parts.append(
+                f"on the engine's own retrieval ({n_of(None)} questions) EM is plain {val('plain', None)}, "
+                f"chain_of_note {val('chain_of_note', None)}, feedback(plain) {val('feedback', None)} (EM / cost: "
+                f"plain {val('plain', None, 'cost_efficiency', '{:.3g}')}, feedback "
+                f"{val('feedback', None, 'cost_efficiency', '{:.3g}')}); chain_of_note right and plain wrong / the "
+                f"reverse: {paired(('chain_of_note', None), ('plain', None))}")
+        noise = [r for r in (0.0, 0.5, 1.0) if counts.get(r, {}).get("asked")]
+        if noise:
+            parts.append("noise protocol, exactly k = 5 passages: " + "; ".join(
+                f"at noise {r:g} ({n_of(r)} questions eligible) EM plain {val('plain', r)} / chain_of_note "
+                f"{val('chain_of_note', r)}, reject rate {val('plain', r, 'reject_rate')} / "
+                f"{val('chain_of_note', r, 'reject_rate')}, chain_of_note right and plain wrong / the reverse: "
+                f"{paired(('chain_of_note', r), ('plain', r))}" for r in noise))
+        return "**Verdict:** " + ". ".join(p[0].upper() + p[1:] for p in parts) + ".\n"
+
     text = "\n".join([
         "### Answering strategies (bench_qa.py)\n" if args.model == DEFAULT_READER else
         f"### Answering strategies with {args.model} (bench_qa.py --model)\n",
-        (f"**Verdict:** on the engine's own retrieval ({n_of(None)} questions) EM is plain {val('plain', None)}, "
-         f"chain_of_note {val('chain_of_note', None)}, feedback(plain) {val('feedback', None)} (EM / cost: plain "
-         f"{val('plain', None, 'cost_efficiency', '{:.3g}')}, feedback "
-         f"{val('feedback', None, 'cost_efficiency', '{:.3g}')}). "
-         f"Noise protocol, exactly k = 5 passages: at noise 0 ({n_of(0.0)} questions eligible) plain "
-         f"{val('plain', 0.0)} / chain_of_note {val('chain_of_note', 0.0)}; at noise 0.5 ({n_of(0.5)}) "
-         f"{val('plain', 0.5)} / {val('chain_of_note', 0.5)}; at noise 1.0 ({n_of(1.0)}) {val('plain', 1.0)} / "
-         f"{val('chain_of_note', 1.0)}, reject rate {val('plain', 1.0, 'reject_rate')} / "
-         f"{val('chain_of_note', 1.0, 'reject_rate')}. Questions chain_of_note gets right and plain wrong / the "
-         f"reverse: {paired(('chain_of_note', None), ('plain', None))} (retrieved), "
-         f"{paired(('chain_of_note', 1.0), ('plain', 1.0))} (noise 1.0).\n"),
+        verdict(),
         (f"{args.model} in {args.dtype}, greedy; NQ-open test questions, store of bench_retrieval.py. Every "
          "strategy's prompt offers 'unknown' and every strategy counts it as a rejection by the same rule "
          "(certrag.strategies.is_unknown). Chain-of-Note runs per passage: a batched one-line note per passage, "
