@@ -12,7 +12,11 @@ Critic cost per passage: the four reflection groups read from one batched forwar
 the naive way (generating the critique text, 8 tokens per group, one call per group and passage), on the same
 (question, passage, segment) triples.
 
-    python benchmarks/bench_selfrag.py --questions 40
+Questions are sharded over --workers processes (one torch thread, one core each), each appending its rows to a
+file in benchmarks/data (--resume continues a run, --report-only summarises it); the critic's cost is then timed in
+one process, alone.
+
+    python benchmarks/bench_selfrag.py --questions 100
 """
 
 from __future__ import annotations
@@ -26,45 +30,118 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--questions", type=int, default=40)
-    p.add_argument("--critic-questions", type=int, default=10)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--no-write", action="store_true")
-    args = p.parse_args()
-    _common.pin_threads(1)
+CONDITIONS = ("plain", "chain_of_note", "self_rag delta=0.2", "self_rag delta=0.5")
 
-    import numpy as np
 
-    from certrag.eval.metrics import exact_match, f1_score
+def _shard_path(args, shard: int) -> Path:
+    return _common.DATA_DIR / f"bench_selfrag-{args.model}-{args.questions}q-shard{shard}of{args.workers}.jsonl"
+
+
+def _strategy(name: str):
+    from certrag.strategies.self_rag import SelfRag
+
+    return SelfRag(delta=float(name.split("=")[1])) if name.startswith("self_rag") else name
+
+
+def worker(args) -> None:
+    """This shard's questions, every condition of a question before the next, each row appended as it is done (a
+    run cut short keeps complete, paired questions; --resume continues it)."""
+    import json
+
+    _common.pin_threads(1, offset=args.shard)
     from certrag.data.nq import load_nq_open
+    from certrag.eval.metrics import exact_match, f1_score
     from certrag.llm import LocalLLM
-    from certrag.llm.prompts import Passage
     from certrag.rerank import CrossEncoderReranker
-    from certrag.strategies.self_rag import GROUPS, LABEL_WORDS, Critic, SelfRag
 
     from _nq import cached_embedder, nq_store
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
+    engine.llm = LocalLLM(args.model)
+    path = _shard_path(args, args.shard)
+    done = set()
+    if args.resume and path.exists():
+        done = {(r["q"], r["condition"]) for r in map(json.loads, path.read_text().splitlines())}
+    items = list(enumerate(load_nq_open(split="test")[: args.questions]))[args.shard::args.workers]
+    with path.open("a") as out:
+        for qi, it in items:
+            for name in CONDITIONS:
+                if (qi, name) in done:
+                    continue
+                t = time.perf_counter()
+                a = engine.answer(it.question, strategy=_strategy(name))
+                hist = a.trace.get("history", [])
+                first = next((h for h in hist if "retrieve" in h and "segment" not in h), None)
+                row = {"q": qi, "condition": name, "em": exact_match(a.text, it.answers),
+                       "f1": f1_score(a.text, it.answers), "in": a.input_tokens, "out": a.output_tokens,
+                       "s": time.perf_counter() - t, "retrieved": None if first is None else bool(first["retrieve"]),
+                       "p_retrieve": None if first is None else first["p_retrieve"],
+                       "passes": (hist[-1].get("critic_forward_passes") if hist else None)}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+            print(f"shard {args.shard}: question {qi} done", file=sys.stderr, flush=True)
+    engine.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--questions", type=int, default=100)
+    p.add_argument("--critic-questions", type=int, default=10)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--workers", type=int, default=2, help="processes answering, one torch thread and one core each")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in the shard files")
+    p.add_argument("--report-only", action="store_true", help="summarise the shard files as they are")
+    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
+    if args.shard is not None:
+        worker(args)
+        return
+    if not args.report_only:
+        import subprocess
+
+        if not args.resume:  # a fresh run: the workers append to empty files
+            for i in range(args.workers):
+                _shard_path(args, i).unlink(missing_ok=True)
+        from _nq import cached_embedder, nq_store
+        from certrag.rerank import CrossEncoderReranker
+
+        nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # built once, before the workers
+        forwarded = ["--questions", str(args.questions), "--model", args.model, "--workers", str(args.workers)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded,
+                                   *(["--resume"] if args.resume else [])]) for i in range(args.workers)]
+        for proc in procs:
+            if proc.wait() != 0:
+                raise SystemExit(f"a worker failed with exit code {proc.returncode}")
+    _common.pin_threads(1)
+
+    import json
+
+    import numpy as np
+
+    from certrag.data.nq import load_nq_open
+    from certrag.llm import LocalLLM
+    from certrag.llm.prompts import Passage
+    from certrag.rerank import CrossEncoderReranker
+    from certrag.strategies.self_rag import GROUPS, LABEL_WORDS, Critic
+
+    from _nq import cached_embedder, nq_store
+
+    by_q: dict[int, dict[str, dict]] = {}
+    for i in range(args.workers):
+        path = _shard_path(args, i)
+        for r in map(json.loads, path.read_text().splitlines() if path.exists() else []):
+            by_q.setdefault(r["q"], {})[r["condition"]] = r
+    complete = sorted(q for q, rs in by_q.items() if all(c in rs for c in CONDITIONS))  # paired questions only
+    out = {name: [by_q[q][name] for q in complete] for name in CONDITIONS}
+    if not complete:
+        raise SystemExit("no question has every condition answered yet")
+    engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     llm = LocalLLM(args.model)
     engine.llm = llm
     items = load_nq_open(split="test")[: args.questions]
-    conditions = {"plain": "plain", "chain_of_note": "chain_of_note", "self_rag delta=0.2": SelfRag(delta=0.2),
-                  "self_rag delta=0.5": SelfRag(delta=0.5)}
-    out = {name: [] for name in conditions}
-    for it in items:
-        for name, strategy in conditions.items():
-            t = time.perf_counter()
-            a = engine.answer(it.question, strategy=strategy)
-            hist = a.trace.get("history", [])
-            first = next((h for h in hist if "retrieve" in h and "segment" not in h), None)
-            out[name].append({"em": exact_match(a.text, it.answers), "f1": f1_score(a.text, it.answers),
-                              "in": a.input_tokens, "out": a.output_tokens, "s": time.perf_counter() - t,
-                              "retrieved": None if first is None else bool(first["retrieve"]),
-                              "p_retrieve": None if first is None else first["p_retrieve"],
-                              "passes": (hist[-1].get("critic_forward_passes") if hist else None)})
-        print(it.question, {n: (r[-1]["em"], round(r[-1]["s"], 1)) for n, r in out.items()}, file=sys.stderr)
     rows = []
     for name, rs in out.items():
         ret = [r["retrieved"] for r in rs if r["retrieved"] is not None]
@@ -120,8 +197,9 @@ def main() -> None:
         f"{critic_rows[0]['ms_per_passage']:.0f} ms against {critic_rows[1]['ms_per_passage']:.0f} ms for generating "
         f"the critique ({critic_rows[1]['ms_per_passage'] / critic_rows[0]['ms_per_passage']:.1f}x).\n",
         f"{args.model} (no reflection tokens: label words after critique prompts), NQ-open test questions "
-        f"(first {args.questions}, the same as bench_qa.py's first), store of bench_retrieval.py; self_rag uses the "
-        "engine's selected passages as its candidates, beam 2, depth 2.\n",
+        f"(the first {args.questions}, the same as bench_qa.py's first; {len(complete)} answered under every "
+        "condition), store of bench_retrieval.py; self_rag uses the engine's selected passages as its candidates, "
+        f"beam 2, depth 2. p50 s: per answer, {args.workers} workers on their own cores, one torch thread each.\n",
         _common.markdown_table(["condition", "questions", "EM", "F1", "input tokens", "output tokens", "p50 s",
                                 "retrieval rate", "critic passes / q"],
                                [[r["condition"], r["questions"], r["em"], r["f1"], r["input_tokens"],
