@@ -250,7 +250,7 @@ def main() -> None:
         noise = [r for r in (0.0, 0.5, 1.0) if counts.get(r, {}).get("asked")]
         if noise:
             parts.append("noise protocol, exactly k = 5 passages: " + "; ".join(
-                f"at noise {r:g} ({n_of(r)} questions eligible) EM plain {val('plain', r)} / chain_of_note "
+                f"at noise {r:.1f} ({n_of(r)} questions eligible) EM plain {val('plain', r)} / chain_of_note "
                 f"{val('chain_of_note', r)}, reject rate {val('plain', r, 'reject_rate')} / "
                 f"{val('chain_of_note', r, 'reject_rate')}, chain_of_note right and plain wrong / the reverse: "
                 f"{paired(('chain_of_note', r), ('plain', r))}" for r in noise))
