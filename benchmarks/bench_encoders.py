@@ -383,10 +383,25 @@ def _native_backends() -> list[str]:
     return [b for b in ("bfloat16", "int8") if resolve(b).backend == b]
 
 
-def _label(backend: str) -> str:
+def _label(backend: str, encoder: str = "embedder") -> str:
     from certrag.backends import resolve
 
-    return f"{backend} (the default: auto)" if resolve("auto").backend == backend else backend
+    return f"{backend} (the default: auto)" if resolve("auto", encoder=encoder).backend == backend else backend
+
+
+def _retrieve_backends() -> dict[str, tuple[str, str]]:
+    """path label -> (embedder backend, reranker backend): each native reduced-precision backend for both encoders,
+    and the default (auto, per encoder) where it is neither."""
+    from certrag.backends import resolve
+
+    default = (resolve("auto", encoder="embedder").backend, resolve("auto", encoder="reranker").backend)
+    paths = {}
+    for b in _native_backends():
+        paths[f"{b}{' (the default: auto)' if default == (b, b) else ''}, length-sorted batches on a padding grid"] = \
+            (b, b)
+    if default not in paths.values():
+        paths[f"default (auto): embedder {default[0]}, reranker {default[1]}, length-sorted batches"] = default
+    return paths
 
 
 def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
@@ -407,10 +422,9 @@ def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
             CrossEncoderReranker(backend="float32", pad_grid=0),
             cfg.replace(encoder_backend="float32", retrieval=RetrievalConfig(candidates=cand, rerank_batch=32))),
     }
-    for backend in _native_backends():  # each reduced-precision backend this CPU runs, the default marked
-        paths[f"{_label(backend)}, length-sorted batches on a padding grid"] = Retriever(
-            Embedder(backend=backend, memo_size=0), CrossEncoderReranker(backend=backend),
-            cfg.replace(encoder_backend=backend, retrieval=RetrievalConfig(candidates=cand)))
+    for name, (emb, rr) in _retrieve_backends().items():  # each native backend, and the default (auto)
+        paths[name] = Retriever(Embedder(backend=emb, memo_size=0), CrossEncoderReranker(backend=rr),
+                                cfg.replace(retrieval=RetrievalConfig(candidates=cand)))
     if CrossEncoderReranker().skip_rule:
         paths["default + adaptive reranking"] = Retriever(
             Embedder(memo_size=0), CrossEncoderReranker(),

@@ -61,7 +61,7 @@ class CrossEncoderReranker:
         self.name = self.card.get("name", str(self.model_dir))
         config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
         self.skip_rule = self.card.get("skip_rule")
-        self.backend = resolve(backend)
+        self.backend = resolve(backend, encoder="reranker")
         self._model = prepare(AutoModelForSequenceClassification.from_pretrained(
             str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32), self.backend.backend)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
