@@ -244,7 +244,7 @@ def quality(backends: list[str], limit: int, threads: int, partial: dict, save: 
         rows[b] = {"backend": b, "questions": len(cands), "mrr10": float(np.mean(rr_fused)),
                    "r1": float(np.mean(top1)), "mrr10_dense": float(np.mean(rr_dense)), "recall5": recall5,
                    "segmentation_f1": f1, "rr": rr_fused, "rr_dense": rr_dense, "gaps": gaps,
-                   "seconds": time.perf_counter() - t0}
+                   "seconds": time.perf_counter() - t0, "measured": _common.meta()}
         print(f"{b}: MRR@10 {rows[b]['mrr10']:.4f} R@1 {rows[b]['r1']:.4f} recall@5 {recall5:.4f} "
               f"seg F1 {f1:.4f} ({rows[b]['seconds']:.0f} s)", file=sys.stderr)
         if save:
@@ -559,9 +559,13 @@ def main() -> None:
     meta = metas.get("speed") or metas.get("quality") or _common.meta()
     text = report(partial, meta)
     if "quality" in metas and "speed" in metas:
+        runs: dict[tuple, list[str]] = {}  # each quality row says which run measured it (runs keep earlier rows)
+        for b, row in partial.get("quality", {}).items():
+            m = row.get("measured", metas["quality"])
+            runs.setdefault((m["commit"], m["date"], m["command"]), []).append(b)
         text = text.replace(_common.footer(meta), "") + (
-            f"\nQuality: commit {metas['quality']['commit']}, {metas['quality']['date']}, "
-            f"`{metas['quality']['command']}`. Speed: commit {metas['speed']['commit']}, {metas['speed']['date']}, "
+            "\nQuality: " + "; ".join(f"{', '.join(bs)}: commit {c}, {d}, `{cmd}`" for (c, d, cmd), bs in runs.items())
+            + f". Speed: commit {metas['speed']['commit']}, {metas['speed']['date']}, "
             f"`{metas['speed']['command']}` (alone). Machine: {meta['machine']['cpu']}, "
             f"{meta['machine']['cores']} cores.\n")
     print(text)

@@ -45,13 +45,12 @@ def __dir__() -> list[str]:
 
 def info() -> dict:
     """What this build is: version, compiler, SIMD levels compiled in and active, threading, index format, and how
-    the encoders run here (the backend "auto" resolves to on this CPU for each encoder, and why)."""
+    the encoders run here (the backend "auto" resolves to on this CPU, and why)."""
     from certrag import _core
-    from certrag.backends import ENCODERS, cpu_features, resolve
+    from certrag.backends import cpu_features, resolve
 
     build = dict(_core.build_info())
-    return {"version": __version__, **build,
-            "encoder_backend": {encoder: resolve("auto", encoder=encoder).as_dict() for encoder in ENCODERS},
+    return {"version": __version__, **build, "encoder_backend": resolve("auto").as_dict(),
             "encoder_cpu_features": sorted(cpu_features())}
 
 

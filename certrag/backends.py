@@ -11,10 +11,11 @@ Backends, measured side by side in benchmarks/bench_encoders.py (RESULTS.md keep
   a text's numbers do not depend on what it is batched with (torch's dynamic quantisation takes one activation
   scale over the whole batch: the same pairs moved by up to 0.23 logits beside others, which under the server's
   dynamic batching would make a request's ranking depend on who else asked; bench_encoders keeps it as
-  ``int8-dynamic`` for comparison). Needs VNNI to be fast; it falls back without it.
-- ``auto`` (the default): per encoder, the fastest backend that held the quality bounds and gives a text the same
-  numbers whatever its batch -- for the reranker int8 where the CPU has VNNI, for the embedder bfloat16 where the
-  CPU has it natively (int8 moved segmentation F1 beyond its bound), else float32.
+  ``int8-dynamic`` for comparison). Needs VNNI to be fast; it falls back without it. Opt-in.
+- ``auto`` (the default): the fastest backend that held the quality bounds and gives a text the same numbers
+  whatever its batch -- bfloat16 where the CPU has it natively, else float32. (int8 held the reranker's bounds
+  exactly but not segmentation F1, and with its quantisation in separate torch ops it reranks slower than
+  bfloat16 here: 454 against 358 ms for 20 passages, bench_encoders.)
 
 A backend the CPU cannot run natively is never refused: it falls back to float32 at run time, as the native core's
 SIMD dispatch does, and says so (``resolve`` returns the reason; ``certrag info`` shows it).
@@ -85,24 +86,12 @@ def check_backend(name: object, argument: str = "backend") -> str:
     return name
 
 
-ENCODERS = ("embedder", "reranker")
-
-
-def resolve(requested: str = "auto", features: frozenset[str] | None = None, encoder: str = "embedder") -> Resolved:
-    """The backend that runs for `requested` on a CPU with `features` (default: this one's), and why.
-
-    `encoder` (embedder | reranker) matters for "auto" only: int8 held every bound of the reranker but moved the
-    segmenter's boundary F1 (which thresholds the embedder's similarities) by 0.007, beyond the 0.005 bound, so
-    "auto" runs the reranker in int8 where the CPU has VNNI and the embedder in bfloat16 or float32."""
+def resolve(requested: str = "auto", features: frozenset[str] | None = None) -> Resolved:
+    """The backend that runs for `requested` on a CPU with `features` (default: this one's), and why."""
     check_backend(requested)
-    if encoder not in ENCODERS:
-        raise ValueError(f"encoder must be one of {', '.join(ENCODERS)}; got {encoder!r}")
     feats = cpu_features() if features is None else features
     has_bf16 = bool(feats & {"avx512_bf16", "amx_bf16"})
     if requested == "auto":
-        if encoder == "reranker" and "vnni" in feats:
-            return Resolved(requested, "int8", "auto: the CPU has VNNI (int8 with a scale per row: the fastest "
-                                               "reranker backend that held the quality bounds)")
         if has_bf16:
             return Resolved(requested, "bfloat16", "auto: the CPU has native bfloat16 (AVX512_BF16/AMX)")
         return Resolved(requested, "float32", "auto: no native bfloat16 on this CPU")

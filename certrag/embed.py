@@ -163,7 +163,7 @@ class Embedder:
         self.max_length = max_length
         self.num_threads = num_threads
         self.cache = cache
-        self.backend = resolve(backend, encoder="embedder")
+        self.backend = resolve(backend)
         self.memo_size = memo_size
         self.pad_grid = pad_grid
         self._memo: OrderedDict[str, np.ndarray] = OrderedDict()

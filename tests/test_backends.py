@@ -32,13 +32,7 @@ def test_backends_fall_back_where_the_cpu_cannot_run_them():
     assert resolve("bfloat16", frozenset({"amx_bf16"})).backend == "bfloat16"
     assert resolve("int8", bf16).backend == "float32" and "VNNI" in resolve("int8", bf16).reason
     assert resolve("int8", vnni).backend == "int8"
-    # auto, per encoder: int8 held the reranker's bounds (VNNI needed); the embedder stays bfloat16 / float32
-    assert resolve("auto", bf16 | vnni, encoder="reranker").backend == "int8"
-    assert resolve("auto", bf16 | vnni, encoder="embedder").backend == "bfloat16"
-    assert resolve("auto", vnni, encoder="embedder").backend == "float32"
-    assert resolve("auto", bf16, encoder="reranker").backend == "bfloat16"
-    with pytest.raises(ValueError, match="encoder"):
-        resolve("auto", bf16, encoder="generator")
+    assert resolve("auto", bf16 | vnni).backend == "bfloat16"  # int8 is opt-in (slower than bfloat16 here)
     assert resolve("float32", bf16 | vnni).backend == "float32"
     for bad in ("fp16", "", None, 3):
         with pytest.raises(ValueError, match="backend"):
