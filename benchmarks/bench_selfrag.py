@@ -22,6 +22,7 @@ one process, alone.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -33,8 +34,15 @@ import _common  # noqa: E402
 CONDITIONS = ("plain", "chain_of_note", "self_rag delta=0.2", "self_rag delta=0.5")
 
 
-def _shard_path(args, shard: int) -> Path:
-    return _common.DATA_DIR / f"bench_selfrag-{args.model}-{args.questions}q-shard{shard}of{args.workers}.jsonl"
+def _shard_path(args, shard: int, reverse: bool = False) -> Path:
+    return _common.DATA_DIR / (f"bench_selfrag-{args.model}-{args.questions}q-shard{shard}of{args.workers}"
+                               f"{'-rev' if reverse else ''}.jsonl")
+
+
+def _rows(args) -> list[dict]:
+    """Every row so far: the shards' files and those of helpers working a shard from its end (--reverse)."""
+    paths = [_shard_path(args, i, rev) for i in range(args.workers) for rev in (False, True)]
+    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
 
 
 def _strategy(name: str):
@@ -46,9 +54,7 @@ def _strategy(name: str):
 def worker(args) -> None:
     """This shard's questions, every condition of a question before the next, each row appended as it is done (a
     run cut short keeps complete, paired questions; --resume continues it)."""
-    import json
-
-    _common.pin_threads(1, offset=args.shard)
+    _common.pin_threads(1, offset=args.shard + args.reverse)  # a helper: on the next core
     from certrag.data.nq import load_nq_open
     from certrag.eval.metrics import exact_match, f1_score
     from certrag.llm import LocalLLM
@@ -58,13 +64,15 @@ def worker(args) -> None:
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model)
-    path = _shard_path(args, args.shard)
-    done = set()
-    if args.resume and path.exists():
-        done = {(r["q"], r["condition"]) for r in map(json.loads, path.read_text().splitlines())}
+    path = _shard_path(args, args.shard, args.reverse)
+    done = {(r["q"], r["condition"]) for r in _rows(args)} if args.resume or args.reverse else set()
     items = list(enumerate(load_nq_open(split="test")[: args.questions]))[args.shard::args.workers]
+    if args.reverse:  # a helper on a free core, taking a slow shard's questions from its end
+        items = items[::-1]
     with path.open("a") as out:
         for qi, it in items:
+            if args.reverse:  # stop where the shard's own worker has got to
+                done |= {(r["q"], r["condition"]) for r in _rows(args)}
             for name in CONDITIONS:
                 if (qi, name) in done:
                     continue
@@ -93,6 +101,7 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true", help="summarise the shard files as they are")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--reverse", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.workers < 1:
         p.error("--workers must be at least 1")
@@ -104,7 +113,8 @@ def main() -> None:
 
         if not args.resume:  # a fresh run: the workers append to empty files
             for i in range(args.workers):
-                _shard_path(args, i).unlink(missing_ok=True)
+                for rev in (False, True):
+                    _shard_path(args, i, rev).unlink(missing_ok=True)
         from _nq import cached_embedder, nq_store
         from certrag.rerank import CrossEncoderReranker
 
@@ -117,8 +127,6 @@ def main() -> None:
                 raise SystemExit(f"a worker failed with exit code {proc.returncode}")
     _common.pin_threads(1)
 
-    import json
-
     import numpy as np
 
     from certrag.data.nq import load_nq_open
@@ -130,10 +138,8 @@ def main() -> None:
     from _nq import cached_embedder, nq_store
 
     by_q: dict[int, dict[str, dict]] = {}
-    for i in range(args.workers):
-        path = _shard_path(args, i)
-        for r in map(json.loads, path.read_text().splitlines() if path.exists() else []):
-            by_q.setdefault(r["q"], {})[r["condition"]] = r
+    for r in _rows(args):
+        by_q.setdefault(r["q"], {})[r["condition"]] = r
     complete = sorted(q for q, rs in by_q.items() if all(c in rs for c in CONDITIONS))  # paired questions only
     out = {name: [by_q[q][name] for q in complete] for name in CONDITIONS}
     if not complete:
