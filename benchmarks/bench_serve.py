@@ -302,8 +302,9 @@ def main() -> None:
     fives = sum(v for x in rows if x["server"] == "certrag" for k, v in x["statuses"].items() if k.startswith("5"))
     refused = sum(x["statuses"].get("429", 0) for x in rows if x["server"] == "certrag")
     verdicts.append(f"certrag under every load: {fives} responses 5xx, {refused} refused with 429")
-    meta = _common.meta({"bench": "bench_serve", "store_chunks": chunks})
-    lines = ["### certrag serve under load (bench_serve.py)\n",
+    name = "bench_serve" if args.store == "nq" else f"bench_serve-{args.store}"  # each store keeps its section
+    meta = _common.meta({"bench": name, "store_chunks": chunks, "reader": args.reader})
+    lines = [f"### certrag serve under load (bench_serve.py{' --store ' + args.store if args.store != 'nq' else ''})\n",
              "**Verdict:** " + "; ".join(verdicts) + ".\n",
              f"Store: {store_name} ({chunks:,} chunks). Clients: closed-loop threads on the same 2 cores as the "
              f"server, "
@@ -314,7 +315,7 @@ def main() -> None:
                  [[x["server"], x["route"], x["clients"], x["throughput_rps"], x["p50_ms"], x["p90_ms"], x["p99_ms"],
                    x.get("ttft_p50_ms", "-"), " ".join(f"{k}:{v}" for k, v in sorted(x["statuses"].items())),
                    f"{x['same_as_serialised']:.0%}" if "same_as_serialised" in x else "-"] for x in rows]),
-             "\n![p50 latency against concurrent clients](results/serve_latency.png)\n",
+             f"\n![p50 latency against concurrent clients](results/{name.replace('bench_serve', 'serve_latency')}.png)\n",
              _common.footer(meta)]
     text = "\n".join(lines)
     print(text)
@@ -339,12 +340,12 @@ def main() -> None:
             ax.legend()
         fig.tight_layout()
         _common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        fig.savefig(_common.RESULTS_DIR / "serve_latency.png", dpi=100)
+        fig.savefig(_common.RESULTS_DIR / f"{name.replace('bench_serve', 'serve_latency')}.png", dpi=100)
     except ImportError:
         pass
     if not args.no_write:
-        _common.write_rows("bench_serve", rows, meta)
-        _common.update_results_md("bench_serve", text)
+        _common.write_rows(name, rows, meta)
+        _common.update_results_md(name, text)
 
 
 if __name__ == "__main__":
