@@ -9,9 +9,10 @@ Servers (each its own process, started and stopped here, on the NQ benchmark sto
 
 Load: closed-loop clients (threads, one keep-alive HTTP connection each) at 1, 4, 16 and 64 concurrent clients, each
 sending its share of NQ-open test questions to /v1/retrieve (rerank on and off); /v1/answer with --reader (default
-the small one), streamed, for time to first token. --store scale runs on bench_scale's 125k-chunk store instead. Reported: throughput, p50/p90/p99, status counts, and whether the results equal
-the serialised server's. Python threads as clients: no extra dependency, and the clients' cost is the same for every
-server (it shares the 2 cores with the server, which the numbers include).
+the small one), streamed, for time to first token. --store scale runs on bench_scale's 125k-chunk store instead.
+Reported: throughput, p50/p90/p99, status counts, and whether the results equal the serialised server's. Python
+threads as clients: no extra dependency, and the clients' cost is the same for every server (it shares the 2 cores
+with the server, which the numbers include).
 
     python benchmarks/bench_serve.py
 """
@@ -303,6 +304,7 @@ def main() -> None:
     refused = sum(x["statuses"].get("429", 0) for x in rows if x["server"] == "certrag")
     verdicts.append(f"certrag under every load: {fives} responses 5xx, {refused} refused with 429")
     name = "bench_serve" if args.store == "nq" else f"bench_serve-{args.store}"  # each store keeps its section
+    plot = name.replace("bench_serve", "serve_latency")
     meta = _common.meta({"bench": name, "store_chunks": chunks, "reader": args.reader})
     lines = [f"### certrag serve under load (bench_serve.py{' --store ' + args.store if args.store != 'nq' else ''})\n",
              "**Verdict:** " + "; ".join(verdicts) + ".\n",
@@ -315,7 +317,7 @@ def main() -> None:
                  [[x["server"], x["route"], x["clients"], x["throughput_rps"], x["p50_ms"], x["p90_ms"], x["p99_ms"],
                    x.get("ttft_p50_ms", "-"), " ".join(f"{k}:{v}" for k, v in sorted(x["statuses"].items())),
                    f"{x['same_as_serialised']:.0%}" if "same_as_serialised" in x else "-"] for x in rows]),
-             f"\n![p50 latency against concurrent clients](results/{name.replace('bench_serve', 'serve_latency')}.png)\n",
+             f"\n![p50 latency against concurrent clients](results/{plot}.png)\n",
              _common.footer(meta)]
     text = "\n".join(lines)
     print(text)
@@ -340,7 +342,7 @@ def main() -> None:
             ax.legend()
         fig.tight_layout()
         _common.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        fig.savefig(_common.RESULTS_DIR / f"{name.replace('bench_serve', 'serve_latency')}.png", dpi=100)
+        fig.savefig(_common.RESULTS_DIR / f"{plot}.png", dpi=100)
     except ImportError:
         pass
     if not args.no_write:
