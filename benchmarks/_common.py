@@ -102,6 +102,17 @@ def meta(extra: dict | None = None) -> dict:
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **(extra or {})}
 
 
+def shard_path(stem: str, shard: int, workers: int, reverse: bool = False) -> Path:
+    """The rows file of one worker of a sharded benchmark run (reverse: a helper taking the shard from its end)."""
+    return DATA_DIR / f"{stem}-shard{shard}of{workers}{'-rev' if reverse else ''}.jsonl"
+
+
+def shard_rows(stem: str, workers: int) -> list[dict]:
+    """Every row a sharded run has written so far: its workers' files and their helpers'."""
+    paths = [shard_path(stem, i, workers, rev) for i in range(workers) for rev in (False, True)]
+    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
+
+
 def update_results_md(name: str, markdown: str) -> None:
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n"

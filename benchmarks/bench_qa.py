@@ -44,15 +44,16 @@ K = 5
 DEFAULT_READER = "qwen2.5-coder-0.5b-instruct"
 
 
+def _stem(args) -> str:
+    return f"bench_qa2-{args.model}-{args.dtype}-{args.questions}q-{args.noise_questions}n-{args.scan}s"
+
+
 def _shard_path(args, shard: int, reverse: bool = False) -> Path:
-    return _common.DATA_DIR / (f"bench_qa2-{args.model}-{args.dtype}-{args.questions}q-{args.noise_questions}n-"
-                               f"{args.scan}s-shard{shard}of{args.workers}{'-rev' if reverse else ''}.jsonl")
+    return _common.shard_path(_stem(args), shard, args.workers, reverse)
 
 
 def _records(args) -> list[dict]:
-    """Every row so far: the shards' files and those of helpers working a shard from its end (--reverse)."""
-    paths = [_shard_path(args, i, rev) for i in range(args.workers) for rev in (False, True)]
-    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
+    return _common.shard_rows(_stem(args), args.workers)
 
 
 def selected_conditions(spec: str) -> list[tuple[int, tuple]]:

@@ -34,15 +34,16 @@ import _common  # noqa: E402
 CONDITIONS = ("plain", "chain_of_note", "self_rag delta=0.2", "self_rag delta=0.5")
 
 
+def _stem(args) -> str:
+    return f"bench_selfrag-{args.model}-{args.questions}q"
+
+
 def _shard_path(args, shard: int, reverse: bool = False) -> Path:
-    return _common.DATA_DIR / (f"bench_selfrag-{args.model}-{args.questions}q-shard{shard}of{args.workers}"
-                               f"{'-rev' if reverse else ''}.jsonl")
+    return _common.shard_path(_stem(args), shard, args.workers, reverse)
 
 
 def _rows(args) -> list[dict]:
-    """Every row so far: the shards' files and those of helpers working a shard from its end (--reverse)."""
-    paths = [_shard_path(args, i, rev) for i in range(args.workers) for rev in (False, True)]
-    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
+    return _common.shard_rows(_stem(args), args.workers)
 
 
 def _strategy(name: str):
