@@ -118,8 +118,6 @@ def prepare(model, backend: str):
     raise ValueError(f"backend must be float32, bfloat16 or int8; got {backend!r}")
 
 
-
-
 def grid_width(length: int, grid: int) -> int:
     """length rounded up to a multiple of grid (grid 0: unchanged)."""
     return -(-length // grid) * grid if grid > 0 else length
