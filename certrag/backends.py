@@ -6,11 +6,11 @@ Backends, measured side by side in benchmarks/bench_encoders.py (RESULTS.md keep
 - ``bfloat16``: the weights and activations in bfloat16, accumulated in float32 by oneDNN. Needs a CPU with
   AVX512_BF16 (or AMX) to be fast; without it bfloat16 is emulated and slower than float32, so it falls back.
 - ``int8``: every Linear with int8 weights (one scale per output channel) and its input quantised per row (one
-  scale per token), multiplied exactly in int32 (``torch._int_mm``, VNNI through oneDNN) and rescaled to float32;
-  the rest of the network runs in float32. Because each token row has its own scale and integer products are exact,
-  a text's numbers do not depend on what it is batched with (torch's dynamic quantisation takes one activation
-  scale over the whole batch: the same pairs moved by up to 0.23 logits beside others, which under the server's
-  dynamic batching would make a request's ranking depend on who else asked; bench_encoders keeps it as
+  scale per token), multiplied exactly in int32 by fbgemm's VNNI kernels and rescaled to float32; the rest of the
+  network runs in float32 (certrag.quantize). Because each token row has its own scale and integer products are
+  exact, a text's numbers do not depend on what it is batched with (torch's dynamic quantisation takes one
+  activation scale over the whole batch: the same pairs moved by up to 0.23 logits beside others, which under the
+  server's dynamic batching would make a request's ranking depend on who else asked; bench_encoders keeps it as
   ``int8-dynamic`` for comparison). Needs VNNI to be fast; it falls back without it. Opt-in.
 - ``auto`` (the default): the fastest backend that held the quality bounds and gives a text the same numbers
   whatever its batch -- bfloat16 where the CPU has it natively, else float32. (int8 held the reranker's bounds

@@ -235,7 +235,9 @@ def test_length_batches_keep_to_the_token_budget():
 
 def test_rowwise_int8_linear_against_a_hand_quantisation():
     """Oracle: numpy in float64 -- weights quantised per output channel, each input row per row, the integer
-    product exact, then rescaled. The layer must agree to float32 rounding, and a row must not move when batched."""
+    product exact, then rescaled. The _int_mm path must agree to float32 rounding; the fbgemm path (its own
+    activation grid) must keep every entry within the error bound per-row quantisation promises -- which a scale
+    shared by the batch breaks on the row scaled by 1e-3. Both: a row must not move when batched."""
     from certrag.quantize import RowwiseInt8Linear, rowwise_int8
 
     g = torch.Generator().manual_seed(0)
@@ -245,25 +247,34 @@ def test_rowwise_int8_linear_against_a_hand_quantisation():
         lin.weight[3] *= 40.0  # channels of very different ranges get their own scales
     x = torch.randn(7, 24, generator=g)
     x[2] *= 1e-3  # rows too
+    x[4, 5] = -10.0  # a row whose largest magnitude is negative
+    x[5] = 0.0  # and an empty one: its result is the bias
     w = lin.weight.detach().double().numpy()
+    bias = lin.bias.detach().double().numpy()
     ws = np.abs(w).max(1) / 127.0
     wq = np.round(w / ws[:, None])
     xv = x.double().numpy()
-    xs = np.abs(xv).max(1, keepdims=True) / 127.0
-    xq = np.round(xv / xs)
-    assert np.abs(wq).max() <= 127 and np.abs(xq).max() <= 127
-    want = (xq @ wq.T) * xs * ws[None, :] + lin.bias.detach().double().numpy()
-    layer = RowwiseInt8Linear.from_linear(lin)
-    assert layer.weight_t.dtype == torch.int8
-    got = layer(x).detach().double().numpy()
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    # and it is close to the float layer: within the quantisation steps
-    exact = (xv @ w.T) + lin.bias.detach().double().numpy()
-    assert np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
-    # one row alone is bit for bit the row inside a batch (and inside a 3-d batch)
-    for i in range(7):
-        assert torch.equal(layer(x[i:i + 1])[0], layer(x)[i])
-    assert torch.equal(layer(x.reshape(1, 7, 24))[0], layer(x))
+    mag = np.maximum(np.abs(xv).max(1, keepdims=True), 1e-12)
+    exact = (xv @ w.T) + bias
+    for packed in (False, True):
+        layer = RowwiseInt8Linear.from_linear(lin, packed=packed)
+        assert (layer._packed is not None) == packed
+        got = layer(x).detach().double().numpy()
+        if not packed:
+            xq = np.round(xv / (mag / 127.0))
+            assert np.abs(wq).max() <= 127 and np.abs(xq).max() <= 127
+            want = (xq @ wq.T) * (mag / 127.0) * ws[None, :] + bias
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        # every entry within the quantisation bound: half an activation step of its row times the channel's
+        # quantised weights, plus half a weight step of its channel times the row (and float32 rounding)
+        half_step = mag / (126.0 if layer.reduce_range else 254.0)
+        bound = half_step * (np.abs(wq) * ws[:, None]).sum(1)[None, :] + np.abs(xv).sum(1, keepdims=True) * ws / 2
+        assert np.all(np.abs(got - exact) <= bound * 1.001 + 1e-5 * np.abs(exact).max())
+        np.testing.assert_array_equal(got[5], lin.bias.detach().numpy())
+        # one row alone is bit for bit the row inside a batch (and inside a 3-d batch)
+        for i in range(7):
+            assert torch.equal(layer(x[i:i + 1])[0], layer(x)[i])
+        assert torch.equal(layer(x.reshape(1, 7, 24))[0], layer(x))
     # rowwise_int8 replaces every Linear of a module, nested ones included
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(4, 2)))
     net = rowwise_int8(net)
