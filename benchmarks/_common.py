@@ -32,7 +32,11 @@ def pin_threads(threads: int, offset: int = 0) -> None:
         os.environ[var] = str(threads)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        allowed = sorted(os.sched_getaffinity(0))
+        # the CPUs the first benchmark process was allowed, which its workers inherit through the environment: a
+        # worker started by a parent that pinned itself would otherwise see only the parent's one core
+        known = os.environ.get("CERTRAG_BENCH_CPUS")
+        allowed = [int(c) for c in known.split(",")] if known else sorted(os.sched_getaffinity(0))
+        os.environ["CERTRAG_BENCH_CPUS"] = ",".join(map(str, allowed))
         cpus = [allowed[(offset * threads + i) % len(allowed)] for i in range(min(threads, len(allowed)))]
         os.sched_setaffinity(0, cpus)
     except (AttributeError, OSError):
