@@ -383,24 +383,22 @@ def _native_backends() -> list[str]:
     return [b for b in ("bfloat16", "int8") if resolve(b).backend == b]
 
 
-def _label(backend: str, encoder: str = "embedder") -> str:
+def _label(backend: str) -> str:
     from certrag.backends import resolve
 
-    return f"{backend} (the default: auto)" if resolve("auto", encoder=encoder).backend == backend else backend
+    return f"{backend} (the default: auto)" if resolve("auto").backend == backend else backend
 
 
 def _retrieve_backends() -> dict[str, tuple[str, str]]:
     """path label -> (embedder backend, reranker backend): each native reduced-precision backend for both encoders,
-    and the default (auto, per encoder) where it is neither."""
+    and the default embedder with the reranker in int8 (the one encoder int8 holds every bound for)."""
     from certrag.backends import resolve
 
-    default = (resolve("auto", encoder="embedder").backend, resolve("auto", encoder="reranker").backend)
-    paths = {}
-    for b in _native_backends():
-        paths[f"{b}{' (the default: auto)' if default == (b, b) else ''}, length-sorted batches on a padding grid"] = \
-            (b, b)
-    if default not in paths.values():
-        paths[f"default (auto): embedder {default[0]}, reranker {default[1]}, length-sorted batches"] = default
+    default = resolve("auto").backend
+    native = _native_backends()
+    paths = {f"{_label(b)}, length-sorted batches on a padding grid": (b, b) for b in native}
+    if "int8" in native and default != "int8":
+        paths[f"embedder {default} + reranker int8 (a scale per row), length-sorted batches"] = (default, "int8")
     return paths
 
 

@@ -13,9 +13,10 @@ Backends, measured side by side in benchmarks/bench_encoders.py (RESULTS.md keep
   server's dynamic batching would make a request's ranking depend on who else asked; bench_encoders keeps it as
   ``int8-dynamic`` for comparison). Needs VNNI to be fast; it falls back without it. Opt-in.
 - ``auto`` (the default): the fastest backend that held the quality bounds and gives a text the same numbers
-  whatever its batch -- bfloat16 where the CPU has it natively, else float32. (int8 held the reranker's bounds
-  exactly but not segmentation F1, and with its quantisation in separate torch ops it reranks slower than
-  bfloat16 here: 454 against 358 ms for 20 passages, bench_encoders.)
+  whatever its batch -- bfloat16 where the CPU has it natively, else float32. (int8 held the reranker's bounds but
+  not segmentation F1, -0.0057, and reranks slower than bfloat16 here, 447 against 361 ms for 20 passages: the
+  per-row normalising and rescaling are passes over the activations of their own, which cost more than the int8
+  product saves; bench_encoders.)
 
 A backend the CPU cannot run natively is never refused: it falls back to float32 at run time, as the native core's
 SIMD dispatch does, and says so (``resolve`` returns the reason; ``certrag info`` shows it).

@@ -5,11 +5,12 @@ moves (by up to 0.23 reranker logits, measured). Here each row of a Linear's inp
 the weights one scale per output channel, and the int8 product is accumulated exactly in int32: every output row
 depends on its own input row alone.
 
-How, at the speed of torch's own int8 GEMM (fbgemm, VNNI): each row is divided by its largest magnitude, so every
+How, on torch's own int8 GEMM (fbgemm, VNNI): each row is divided by its largest magnitude, so every
 row lies in [-1, 1]; two fixed sentinel rows (+1 and -1) go in front, so the batch's range -- from which fbgemm
 takes its one activation scale -- is [-1, 1] whatever the batch holds; the product's rows are multiplied back by
 their magnitudes and the bias added. Where the quantised engine cannot pack the weights, the same per-row scheme
-runs as ``torch._int_mm`` (exact int32 products, slower: the quantisation is then separate torch ops).
+runs as ``torch._int_mm`` (exact int32 products). Either way the normalising and the rescaling are passes over
+the activations of their own: one Linear beats bfloat16's, the whole encoder does not (bench_encoders.py).
 """
 
 from __future__ import annotations
