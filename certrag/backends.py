@@ -115,7 +115,7 @@ def prepare(model, backend: str):
     if backend == "int8":
         from certrag.quantize import rowwise_int8
 
-        return rowwise_int8(model.float())
+        return rowwise_int8(model.float(), reduce_range="vnni" not in cpu_features())
     raise ValueError(f"backend must be float32, bfloat16 or int8; got {backend!r}")
 
 

@@ -20,14 +20,6 @@ import warnings
 import torch
 
 
-def _reduce_range() -> bool:
-    """fbgemm without VNNI sums pairs of uint8 x int8 products in int16, which can saturate; 7-bit activations
-    avoid it (the quantised engines' own rule)."""
-    from certrag.backends import cpu_features
-
-    return "vnni" not in cpu_features()
-
-
 def _pack(weight_q: torch.Tensor, weight_scale: torch.Tensor):
     """fbgemm's packed form of int8 weights with a scale per output channel; None where the engine cannot."""
     try:
@@ -44,18 +36,22 @@ class RowwiseInt8Linear(torch.nn.Module):
     """y = x W^T + b with W in int8 (a scale per output channel) and x quantised per row (a scale per row).
 
     An input entry's quantisation error is at most half a step of its row's scale (its row's largest magnitude
-    over 127, or over 63 with 7-bit activations on CPUs without VNNI), a weight's half a step of its channel's
-    scale; the integer product is exact, so batching never changes a result."""
+    over 127, or over 63 with reduce_range), a weight's half a step of its channel's scale; the integer product is
+    exact, so batching never changes a result.
+
+    reduce_range: 7-bit activations on fbgemm's path. Without VNNI fbgemm sums pairs of uint8 x int8 products in
+    int16, which can saturate; 7 bits avoid it (the quantised engines' own rule). certrag.backends passes False
+    where the CPU has VNNI; the default is the choice that is safe everywhere."""
 
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, *,
-                 packed: bool = True):
+                 packed: bool = True, reduce_range: bool = True):
         """weight_q: int8 (out, in); weight_scale: float32 (out,); packed=False: the ``torch._int_mm`` path even
         where fbgemm could pack the weights."""
         super().__init__()
         self.out_features, self.in_features = weight_q.shape
         self.register_buffer("weight_scale", weight_scale)  # float32 (out,)
         self.register_buffer("bias", bias)  # float32 (out,) or None
-        self.reduce_range = _reduce_range()
+        self.reduce_range = bool(reduce_range)
         self._packed = _pack(weight_q, weight_scale) if packed else None
         self.register_buffer("weight_t", None if self._packed is not None else weight_q.t().contiguous())
         sentinels = torch.zeros(2, self.in_features)
@@ -63,12 +59,13 @@ class RowwiseInt8Linear(torch.nn.Module):
         self.register_buffer("sentinels", sentinels)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, *, packed: bool = True) -> "RowwiseInt8Linear":
+    def from_linear(cls, linear: torch.nn.Linear, *, packed: bool = True,
+                    reduce_range: bool = True) -> "RowwiseInt8Linear":
         w = linear.weight.detach().float()
         scale = w.abs().amax(1).clamp_min(1e-12) / 127.0
         q = torch.round(w / scale[:, None]).to(torch.int8)
         bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        return cls(q, scale, bias, packed=packed)
+        return cls(q, scale, bias, packed=packed, reduce_range=reduce_range)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -91,11 +88,11 @@ class RowwiseInt8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row ({kind})"
 
 
-def rowwise_int8(module: torch.nn.Module) -> torch.nn.Module:
+def rowwise_int8(module: torch.nn.Module, *, reduce_range: bool = True) -> torch.nn.Module:
     """`module` with every torch.nn.Linear replaced, in place, by a RowwiseInt8Linear of the same weights."""
     for name, child in module.named_children():
         if isinstance(child, torch.nn.Linear):
-            setattr(module, name, RowwiseInt8Linear.from_linear(child))
+            setattr(module, name, RowwiseInt8Linear.from_linear(child, reduce_range=reduce_range))
         else:
-            rowwise_int8(child)
+            rowwise_int8(child, reduce_range=reduce_range)
     return module
