@@ -420,7 +420,7 @@ def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
             CrossEncoderReranker(backend="float32", pad_grid=0),
             cfg.replace(encoder_backend="float32", retrieval=RetrievalConfig(candidates=cand, rerank_batch=32))),
     }
-    for name, (emb, rr) in _retrieve_backends().items():  # each native backend, and the default (auto)
+    for name, (emb, rr) in _retrieve_backends().items():  # the native backends and the mixed pair
         paths[name] = Retriever(Embedder(backend=emb, memo_size=0), CrossEncoderReranker(backend=rr),
                                 cfg.replace(retrieval=RetrievalConfig(candidates=cand)))
     if CrossEncoderReranker().skip_rule:
