@@ -120,16 +120,22 @@ def test_a_worker_killed_mid_job_is_retried_and_the_store_is_whole(cluster, corp
 
     job = threading.Thread(target=build)
     job.start()
-    deadline, victim = time.time() + 120, None
+    # Kill a map worker that has been up long enough to load its models and take a batch. The listing is re-read
+    # each round: Ray may retire or replace an actor between two looks, and a pid that is already gone is no victim.
+    deadline, first_seen, victim = time.time() + 120, {}, None
     while time.time() < deadline and victim is None and job.is_alive():
-        pids = _map_workers()
-        if pids:
-            time.sleep(2.5)  # long enough for the actor to load its models and take a batch
-            victim = pids[0]
-        else:
-            time.sleep(0.1)
-    assert victim is not None and job.is_alive(), "the job ended before a worker could be killed"
-    os.kill(victim, signal.SIGKILL)
+        now = time.time()
+        for pid in _map_workers():
+            first_seen.setdefault(pid, now)
+            if now - first_seen[pid] >= 2.5:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                victim = pid
+                break
+        time.sleep(0.1)
+    assert victim is not None, "the job ended before a worker could be killed"
     job.join(timeout=300)
     assert not errors, errors
     with result["engine"] as engine:
