@@ -11,7 +11,9 @@ Train: both kinds on the first --train-questions of the NQ-open train split; hel
 
 Scores compared (Lookback Lens, Chuang et al. 2024, Table 1; the certification paper's chunk-wise variant):
 logistic regression on chunk-wise features, on full-context features (one ratio per layer and head each), on
-chunk-wise features plus the mean log-probability (combined), and two baselines without training: the answer's mean
+chunk-wise features plus the mean log-probability (combined: one feature among hundreds, shrunk with them), the
+stacked form of the same (each block model's out-of-fold score and the mean log-probability joined by a second,
+two-feature regression: certrag.train.factuality.fit_stacked), and two baselines without training: the answer's mean
 token log-probability and the best *fused* reranker score of its passages (cross-encoder + dense term: the score
 the engine ranks by). AUROC cross-validated on train (5 folds, C chosen on the same folds: slightly optimistic) and on
 the held-out test questions (fit on all of train).
@@ -77,8 +79,8 @@ def main() -> None:
 
     from certrag.data.nq import load_nq_open
     from certrag.home import certrag_home
-    from certrag.train.factuality import (auroc, collect, collect_engine, combined_features, fit, load_examples,
-                                          save_examples)
+    from certrag.train.factuality import (auroc, collect, collect_engine, combined_features, fit, fit_stacked,
+                                          load_examples, save_examples)
 
     state = {}
 
@@ -150,6 +152,22 @@ def main() -> None:
             xt = feat(d)
             kt = np.isfinite(xt).all(1)
             pred = clf.predict_vectors(xt[kt])
+            row[f"heldout_{test_kind}"] = auroc(d["label"][kt], pred)
+            row[f"test_n_{test_kind}"] = int(kt.sum())
+            row[f"heldout_{test_kind}_points"] = _points(d["label"][kt], pred)
+        rows.append(row)
+    for kind in ("chunks", "full"):  # the block's score and the log-probability joined by a second regression
+        x, lp = train[kind], train["mean_logprob"]
+        keep = np.isfinite(x).all(1) & np.isfinite(lp)
+        st = fit_stacked(x[keep], lp[keep], train["label"][keep], model=args.model, kind=kind, layers=0, heads=0,
+                         card={})
+        row = {"what": "factuality_auroc", "score": f"stacked: {names[kind].split(', ')[1]} model, then its score + "
+               "mean log-probability", "features": x.shape[1] + 1, "cv_auroc": st.cv_auroc,
+               "C": st.block.card["C"], "train_n": int(keep.sum())}
+        for test_kind in ("protocol", "engine"):
+            d = parts[("test", test_kind)]
+            kt = np.isfinite(d[kind]).all(1) & np.isfinite(d["mean_logprob"])
+            pred = st.predict_vectors(d[kind][kt], d["mean_logprob"][kt])
             row[f"heldout_{test_kind}"] = auroc(d["label"][kt], pred)
             row[f"test_n_{test_kind}"] = int(kt.sum())
             row[f"heldout_{test_kind}_points"] = _points(d["label"][kt], pred)

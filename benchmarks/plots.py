@@ -107,7 +107,7 @@ def roc(plt) -> Path | None:
         return None
     from sklearn.metrics import roc_curve
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 6.4))
     for ax, kind, title in ((axes[0], "engine", "the engine's own answers"),
                             (axes[1], "protocol", "noise-protocol answers (3 passages)")):
         for r in rows:
@@ -121,7 +121,7 @@ def roc(plt) -> Path | None:
         ax.set_ylabel("true positive rate")
         ax.set_title(f"held-out test: {title}", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, loc="lower right", title="score (AUROC)", title_fontsize=7)
+        ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(0, -0.14), title="score (AUROC)", title_fontsize=7)
     fig.tight_layout()
     out = _common.RESULTS_DIR / "factuality_roc.png"
     fig.savefig(out, dpi=110)

@@ -220,6 +220,33 @@ def test_classifier_round_trip_and_fit(tmp_path):
         FactualityClassifier.load(tmp_path / "bad.json")
 
 
+def test_stacked_score_keeps_a_strong_extra_feature_that_appending_dilutes():
+    """Many weak block features plus one strong extra score (as the lookback ratios and the log-probability are):
+    on held-out data the stacked score beats each input alone, where appending the extra score as one more block
+    feature can fall below the extra score by itself."""
+    pytest.importorskip("sklearn")
+    from certrag.train.factuality import auroc, fit_stacked
+
+    rng = np.random.default_rng(7)
+
+    def draw(n):
+        y = rng.integers(0, 2, n)
+        block = rng.normal(size=(n, 200)) + y[:, None] * 0.06  # weak, spread over 200 features
+        extra = rng.normal(size=n) + y * 1.2  # one strong score, independent of the block's noise
+        return block, extra, y
+
+    xb, xe, y = draw(800)
+    tb, te, ty = draw(2000)
+    st = fit_stacked(xb, xe, y, model="m", kind="chunks", layers=0, heads=0, card={})
+    stacked = auroc(ty, st.predict_vectors(tb, te))
+    extra_alone = auroc(ty, te)
+    block_alone = auroc(ty, st.block.predict_vectors(tb))
+    assert stacked > extra_alone + 0.01 and stacked > block_alone + 0.01, (stacked, extra_alone, block_alone)
+    assert st.coef[1] > 0 and st.coef[0] > 0 and 0.5 < st.cv_auroc <= 1
+    with pytest.raises(ValueError, match="extra"):
+        fit_stacked(xb, xe[:10], y, model="m", kind="chunks", layers=0, heads=0, card={})
+
+
 def test_engine_answers_for_the_classifier_carry_the_fused_score(tmp_path, smollm):
     """collect_engine answers from the engine's own selection; its reranker baseline is the best *fused* score of
     the selected passages (what the engine ranks by), and the combined features append the mean log-probability."""

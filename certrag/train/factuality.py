@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +150,59 @@ def _answer_all(llm, rows, max_new_tokens: int, progress: bool) -> dict:
 def combined_features(data: dict, kind: str = "chunks") -> np.ndarray:
     """Lookback ratios with the answer's mean token log-probability appended as one more feature."""
     return np.concatenate([data[kind], data["mean_logprob"][:, None]], axis=1)
+
+
+@dataclass(frozen=True)
+class StackedScore:
+    """A block classifier's score and one extra score (the answer's mean log-probability) joined by a second,
+    two-feature logistic regression: the extra score keeps its own weight, where appending it as one feature
+    among hundreds lets the block's penalty shrink it with the rest."""
+
+    block: FactualityClassifier
+    mean: np.ndarray  # (2,) standardisation of [block decision value, extra]
+    scale: np.ndarray
+    coef: np.ndarray
+    intercept: float
+    cv_auroc: float  # the second level's, on the block's out-of-fold values
+
+    def predict_vectors(self, x: np.ndarray, extra: np.ndarray) -> np.ndarray:
+        b = self.block
+        first = ((np.asarray(x, dtype=np.float64) - b.mean) / b.scale) @ b.coef + b.intercept
+        z = ((np.column_stack([first, np.asarray(extra, dtype=np.float64)]) - self.mean) / self.scale)
+        return 1.0 / (1.0 + np.exp(-(z @ self.coef + self.intercept)))
+
+
+def fit_stacked(x: np.ndarray, extra: np.ndarray, y: np.ndarray, *, folds: int = 5, seed: int = 0,
+                **block_args) -> StackedScore:
+    """Stacking: the block model (fit, C by cross-validation) is refitted per fold to give every training example
+    an out-of-fold decision value; a logistic regression on [that value, extra] is the second level. Out-of-fold
+    values keep the second level from trusting a block score that has seen its own labels."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import roc_auc_score
+    from sklearn.model_selection import StratifiedKFold
+
+    x = np.asarray(x, dtype=np.float64)
+    extra = np.asarray(extra, dtype=np.float64)
+    y = np.asarray(y, dtype=np.int64)
+    if extra.shape != (len(x),):
+        raise ValueError(f"extra must have one value per example ({len(x)}); got shape {extra.shape}")
+    block, _ = fit(x, y, folds=folds, seed=seed, **block_args)
+    oof = np.zeros(len(y))
+    for tr, te in StratifiedKFold(folds, shuffle=True, random_state=seed + 1).split(x, y):
+        mean, scale = x[tr].mean(0), x[tr].std(0)
+        scale[scale == 0] = 1.0
+        lr = LogisticRegression(C=block.card["C"], max_iter=2000).fit((x[tr] - mean) / scale, y[tr])
+        oof[te] = lr.decision_function((x[te] - mean) / scale)
+    second = np.column_stack([oof, extra])
+    mean2, scale2 = second.mean(0), second.std(0)
+    scale2[scale2 == 0] = 1.0
+    z = (second - mean2) / scale2
+    pred = np.zeros(len(y))
+    for tr, te in StratifiedKFold(folds, shuffle=True, random_state=seed + 2).split(z, y):
+        pred[te] = LogisticRegression(max_iter=2000).fit(z[tr], y[tr]).decision_function(z[te])
+    lr = LogisticRegression(max_iter=2000).fit(z, y)
+    return StackedScore(block=block, mean=mean2, scale=scale2, coef=lr.coef_[0].astype(np.float64),
+                        intercept=float(lr.intercept_[0]), cv_auroc=float(roc_auc_score(y, pred)))
 
 
 def save_examples(path: str | Path, data: dict, meta: dict) -> None:
