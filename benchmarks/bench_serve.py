@@ -222,6 +222,8 @@ def main() -> None:
     p.add_argument("--servers", default="serialised,certrag,plain",
                    help="which servers to run (the serialised one is the reference for identical rankings)")
     p.add_argument("--encoder-depth", type=int, default=None, help="certrag serve --encoder-depth for this run")
+    p.add_argument("--rerank-instances", type=int, default=None,
+                   help="certrag serve --rerank-instances for the shipped server (the serialised one keeps one)")
     p.add_argument("--store", choices=("nq", "scale"), default="nq",
                    help="nq: the 12.7k-chunk NQ store; scale: bench_scale's 125k-chunk store (build it with "
                         "benchmarks/bench_scale.py first)")
@@ -258,8 +260,10 @@ def main() -> None:
     reference: dict[tuple, dict] = {}
     servers = [k.strip() for k in args.servers.split(",") if k.strip()]
     for kind in servers:
-        proc, port = start(kind, store, args.reader, extra=["--encoder-depth", str(args.encoder_depth)]
-                           if args.encoder_depth and kind != "plain" else [])
+        extra = ["--encoder-depth", str(args.encoder_depth)] if args.encoder_depth and kind != "plain" else []
+        if args.rerank_instances and kind == "certrag":
+            extra += ["--rerank-instances", str(args.rerank_instances)]
+        proc, port = start(kind, store, args.reader, extra=extra)
         try:
             for rerank in (True, False):
                 payloads = [{"question": q, "rerank": rerank} for q in questions[: args.requests]]

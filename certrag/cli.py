@@ -411,6 +411,8 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
 @click.option("--queue-depth", default=16, show_default=True, help="Generations queued or running; more get 429.")
 @click.option("--encoder-depth", default=32, show_default=True,
               help="Retrieve / rerank / embeddings requests in flight; more get 429.")
+@click.option("--rerank-instances", default=1, show_default=True,
+              help="Cross-encoder instances sharing the cores (each on its share of the torch threads).")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
               help="Default per-request deadline in seconds (504 after it; also the drain time on SIGTERM).")
 @click.option("--api-key", envvar="CERTRAG_API_KEY", default=None,
@@ -434,7 +436,7 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
               help="torch threads per Encoders and Generator replica (with --ray).")
 def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: str | None, llm_model: str,
           max_body_bytes: int, max_batch: int, max_wait_ms: float, queue_depth: int, encoder_depth: int,
-          timeout_s: float, api_key: str | None, serialize: bool, ray_address: str | None, retrieval_replicas: int,
+          rerank_instances: int, timeout_s: float, api_key: str | None, serialize: bool, ray_address: str | None, retrieval_replicas: int,
           generation_replicas: int, ingress_replicas: int, autoscale: int | None, shard_actors: bool,
           replica_threads: int) -> None:
     """Serve the OpenAI routes (/v1/chat/completions, /v1/models, /v1/embeddings), /v1/rerank and, with STORE,
@@ -446,7 +448,7 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
     try:
         config = ServeConfig(host=host, port=port, max_body_bytes=max_body_bytes, max_batch=max_batch,
                              max_wait_ms=max_wait_ms, queue_depth=queue_depth, encoder_depth=encoder_depth,
-                             timeout_s=timeout_s, api_key=api_key,
+                             rerank_instances=rerank_instances, timeout_s=timeout_s, api_key=api_key,
                              serialize=serialize)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None

@@ -19,6 +19,7 @@ the train split; see certrag.train.skip_rule).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
@@ -32,8 +33,8 @@ PACKAGE_RERANKER = Path(__file__).resolve().parent / "reranker"
 
 class CrossEncoderReranker:
     def __init__(self, model_dir: str | os.PathLike = PACKAGE_RERANKER, *, max_length: int = 256,
-                 batch_size: int = 32, backend: str = "auto", pad_grid: int = 16, max_batch_tokens: int = 4096
-                 ) -> None:
+                 batch_size: int = 32, backend: str = "auto", pad_grid: int = 16, max_batch_tokens: int = 4096,
+                 num_threads: int | None = None) -> None:
         from certrag.backends import check_backend, prepare, resolve
         from certrag.embed import _import_torch
 
@@ -46,6 +47,7 @@ class CrossEncoderReranker:
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be a positive integer; got {max_batch_tokens!r}")
         self.max_batch_tokens = max_batch_tokens
+        self.num_threads = _threads(num_threads)
 
         torch = _import_torch()
         from tokenizers import Tokenizer
@@ -74,6 +76,18 @@ class CrossEncoderReranker:
         self.batch_size = batch_size
         self._lock = threading.Lock()
         self._identity = None
+
+    def replica(self, num_threads: int | None = None) -> "CrossEncoderReranker":
+        """Another instance over the same weights (shared, read-only) with its own tokenizer, its own lock and
+        num_threads torch threads per call: a server runs one per worker, so that passes run side by side where one
+        pass leaves cores idle (certrag.serve.batching)."""
+        from tokenizers import Tokenizer
+
+        twin = copy.copy(self)
+        twin._tokenizer = Tokenizer.from_str(self._tokenizer.to_str())
+        twin._lock = threading.Lock()
+        twin.num_threads = _threads(num_threads)
+        return twin
 
     @property
     def identity(self) -> dict:
@@ -112,9 +126,16 @@ class CrossEncoderReranker:
         torch = self._torch
         enc = self._tokenizer.encode_batch(list(zip(questions, passages)))
         with self._lock, torch.inference_mode():
-            for rows in length_batches([len(e.ids) for e in enc], batch, self.pad_grid, self.max_batch_tokens):
-                feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, 0, self.pad_grid).items()}
-                out[rows] = self._model(**feed).logits[:, 0].float().numpy()
+            previous = torch.get_num_threads()
+            if self.num_threads:
+                torch.set_num_threads(self.num_threads)
+            try:
+                for rows in length_batches([len(e.ids) for e in enc], batch, self.pad_grid, self.max_batch_tokens):
+                    feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, 0, self.pad_grid).items()}
+                    out[rows] = self._model(**feed).logits[:, 0].float().numpy()
+            finally:
+                if self.num_threads:
+                    torch.set_num_threads(previous)
         return out
 
     def score(self, question: str, passages: list[str], dense_scores: np.ndarray, *,
@@ -137,5 +158,12 @@ def fused_scores(reranker, question: str, passages: list[str], dense_scores: np.
 
 
 @lru_cache(maxsize=4)
+def _threads(num_threads: int | None) -> int | None:
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive integer or None; got {num_threads!r}")
+    return num_threads
+
+
 def _default_reranker(backend: str = "auto") -> CrossEncoderReranker:
     return CrossEncoderReranker(backend=backend)

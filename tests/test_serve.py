@@ -77,8 +77,9 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module", params=["local", "ray"])
 def server(store, request):
     """The same suite runs against the single-process server and the Ray Serve one (Ingress, Encoders and
-    Generator deployments on a local Ray cluster, the store's two shards as Ray actors)."""
-    extra = []
+    Generator deployments on a local Ray cluster, the store's two shards as Ray actors). The local server runs two
+    cross-encoder instances, so that its rankings are checked against the engine's with pairs cut across them."""
+    extra = ["--rerank-instances", "2"]
     if request.param == "ray":
         pytest.importorskip("ray")
         extra = ["--ray", "--shard-actors"]

@@ -44,6 +44,8 @@ class ServeConfig:
     """host: bind address (loopback unless told otherwise); max_body_bytes: request bodies over this get 413;
     max_batch / max_wait_ms: the encoders' dynamic batchers; queue_depth: generations queued or running at once
     (more get 429); encoder_depth: retrieve / rerank / embeddings requests in flight at once (more get 429);
+    rerank_instances: cross-encoder instances over the same weights, each on its share of the torch threads, that
+    score queued pairs side by side (a request's pairs are shared among the idle ones);
     timeout_s: the default per-request deadline (a request may ask for less with its `timeout` field or an
     X-Request-Timeout header), after which it gets 504 and its work stops; api_key: when set, every route but /,
     /health and /ready needs `Authorization: Bearer <key>`."""
@@ -55,12 +57,13 @@ class ServeConfig:
     max_wait_ms: float = 2.0
     queue_depth: int = 16
     encoder_depth: int = 32
+    rerank_instances: int = 1
     timeout_s: float = 120.0
     api_key: str | None = None
     serialize: bool = False  # a baseline for benchmarks only: one request at a time, as the server used to run
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_body_bytes", "max_batch", "queue_depth", "encoder_depth"):
+        for name in ("port", "max_body_bytes", "max_batch", "queue_depth", "encoder_depth", "rerank_instances"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "port" else 1):
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
@@ -323,8 +326,11 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         embedder = BatchingEmbedder(engine._embedder, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
                                     on_batch=metrics.on_batch)
         if engine._reranker is not None:
+            threads = (None if config.rerank_instances == 1
+                       else max(1, engine._reranker._torch.get_num_threads() // config.rerank_instances))
             reranker = BatchingReranker(engine._reranker, max_batch=config.max_batch,
-                                        max_wait_ms=config.max_wait_ms, on_batch=metrics.on_batch)
+                                        max_wait_ms=config.max_wait_ms, on_batch=metrics.on_batch,
+                                        instances=config.rerank_instances, threads=threads)
         engine = engine.serving_view(embedder=embedder, reranker=reranker)
     state = {"ready": llm is not None}
 
