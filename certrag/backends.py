@@ -22,7 +22,8 @@ A backend the CPU cannot run natively is never refused: it falls back to float32
 SIMD dispatch does, and says so (``resolve`` returns the reason; ``certrag info`` shows it).
 
 Whatever the backend, batches are sorted by length and each batch is cut to its own longest row, so no row pays for
-padding up to the longest text of the call (``length_batches``).
+padding up to the longest text of the call (``length_batches``); with several torch threads a call's batches run as
+passes side by side, one thread each, rather than one after another on all threads (``passes``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -172,3 +174,72 @@ def padded(encodings: list, rows: np.ndarray, pad_id: int = 0, grid: int = 0) ->
         mask[r, :n] = 1
         types[r, :n] = e.type_ids
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+# ------------------------------------------------------------------------------------- passes side by side
+
+_PASS_POOL = None
+_PASS_POOL_LOCK = threading.Lock()
+MAX_PASSES = 8
+
+
+def _pass_pool():
+    global _PASS_POOL
+    with _PASS_POOL_LOCK:
+        if _PASS_POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _PASS_POOL = ThreadPoolExecutor(MAX_PASSES, thread_name_prefix="certrag-pass")
+        return _PASS_POOL
+
+
+def pass_groups(batches: list[np.ndarray], widths: Sequence[int], workers: int) -> list[list[np.ndarray]]:
+    """The batches of one call shared among `workers` threads: costliest first (rows x padded width), each to the
+    least loaded so far."""
+    groups: list[list[np.ndarray]] = [[] for _ in range(max(1, workers))]
+    load = [0] * len(groups)
+    for rows in sorted(batches, key=lambda r: -len(r) * max(widths[i] for i in r)):
+        k = load.index(min(load))
+        groups[k].append(rows)
+        load[k] += len(rows) * max(widths[i] for i in rows)
+    return [g for g in groups if g]
+
+
+def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Callable[[np.ndarray], None], *,
+           max_tokens: int | None = None) -> None:
+    """Calls run(rows) for every length batch of a call (length_batches), inside inference mode.
+
+    With several torch threads the call's rows are batched for that many passes and the passes run side by side,
+    one torch thread each, on a shared pool, instead of one pass after another on all threads: the encoders'
+    matrices are small, and one pass on two threads spends much of its time waiting at the synchronisation of each
+    operation (20 reranked passages on 2 cores: 224 against 298 ms; benchmarks/bench_encoders.py). A row's
+    numbers do not depend on its batch (the grid), so the results are the ones of a single pass; run must write
+    disjoint rows only. grid 0 (rows padded to their batch's longest) keeps one pass after another."""
+    from concurrent.futures import wait
+
+    threads = max(1, min(torch.get_num_threads(), MAX_PASSES, len(lengths))) if grid > 0 else 1
+    if threads > 1:
+        batch_size = min(batch_size, -(-len(lengths) // threads))  # at least one batch per thread
+    batches = list(length_batches(lengths, batch_size, grid, max_tokens))
+    if threads == 1 or len(batches) == 1:
+        with torch.inference_mode():
+            for rows in batches:
+                run(rows)
+        return
+    widths = [grid_width(n, grid) for n in lengths]
+
+    def work(group: list[np.ndarray]) -> None:
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                for rows in group:
+                    run(rows)
+        finally:
+            torch.set_num_threads(threads_before)
+
+    threads_before = torch.get_num_threads()
+    pool = _pass_pool()
+    futures = [pool.submit(work, g) for g in pass_groups(batches, widths, threads)]
+    wait(futures)  # every pass has finished writing before the call returns or raises
+    for future in futures:
+        future.result()

@@ -246,25 +246,25 @@ class Embedder:
         return out
 
     def _embed_uncached(self, texts: list[str]) -> np.ndarray:
-        from certrag.backends import length_batches, padded
+        from certrag.backends import padded, passes
 
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         torch = self._torch
         enc = self._tokenizer.encode_batch(texts)
-        with self._lock, torch.inference_mode():
+        def run(rows):
+            feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, self._pad_id, self.pad_grid).items()}
+            feed["token_type_ids"].zero_()
+            hidden = self._model(**feed).last_hidden_state.float()
+            m = feed["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            out[rows] = torch.nn.functional.normalize(pooled, p=2, dim=1).numpy()
+
+        with self._lock:
             previous = torch.get_num_threads()
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
             try:
-                for rows in length_batches([len(e.ids) for e in enc], self.batch_size, self.pad_grid):
-                    feed = {k: torch.from_numpy(v)
-                            for k, v in padded(enc, rows, self._pad_id, self.pad_grid).items()}
-                    feed["token_type_ids"].zero_()
-                    hidden = self._model(**feed).last_hidden_state.float()
-                    m = feed["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                    pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-                    pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-                    out[rows] = pooled.numpy()
+                passes(torch, [len(e.ids) for e in enc], self.batch_size, self.pad_grid, run)
             finally:
                 if self.num_threads:
                     torch.set_num_threads(previous)

@@ -121,18 +121,21 @@ class CrossEncoderReranker:
         out = np.zeros(len(passages), dtype=np.float32)
         if not passages:
             return out
-        from certrag.backends import length_batches, padded
+        from certrag.backends import padded, passes
 
         torch = self._torch
         enc = self._tokenizer.encode_batch(list(zip(questions, passages)))
-        with self._lock, torch.inference_mode():
+
+        def run(rows):
+            feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, 0, self.pad_grid).items()}
+            out[rows] = self._model(**feed).logits[:, 0].float().numpy()
+
+        with self._lock:
             previous = torch.get_num_threads()
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
             try:
-                for rows in length_batches([len(e.ids) for e in enc], batch, self.pad_grid, self.max_batch_tokens):
-                    feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, 0, self.pad_grid).items()}
-                    out[rows] = self._model(**feed).logits[:, 0].float().numpy()
+                passes(torch, [len(e.ids) for e in enc], batch, self.pad_grid, run, max_tokens=self.max_batch_tokens)
             finally:
                 if self.num_threads:
                     torch.set_num_threads(previous)

@@ -2,6 +2,8 @@
 padded batch, each distinct text embedded once, batched segmentation equal to one text at a time, the adaptive
 reranking rule and its trace."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -218,6 +220,41 @@ def test_a_rows_result_does_not_depend_on_what_it_is_batched_with(texts):
         a = r.cross_scores([q1] * 8, texts[:8])
         b = r.cross_scores([q1] * 8 + [q2] * 9, texts[:8] + texts[8:17])[:8]
         np.testing.assert_array_equal(a, b)
+
+
+def test_passes_side_by_side_give_the_numbers_of_one_pass_after_another(texts):
+    """With two torch threads a call's batches run as passes side by side, one thread each; the oracle is the same
+    call on one thread (one pass after another): bit for bit, for both encoders. The groups cover every batch once
+    and a failing pass reaches the caller."""
+    import torch
+
+    from certrag.backends import pass_groups, passes
+    from certrag.rerank import CrossEncoderReranker
+
+    before = torch.get_num_threads()
+    try:
+        e, r = Embedder(memo_size=0), CrossEncoderReranker()
+        got = {}
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            got[threads] = (e.embed(texts), r.cross_scores(["who founded the city"] * 20, texts[:20]))
+        for a, b in zip(got[2], got[1]):
+            np.testing.assert_array_equal(a, b)
+
+        torch.set_num_threads(2)
+        seen = []
+        passes(torch, [len(t) // 4 for t in texts], 8, 16, lambda rows: seen.append(threading.current_thread().name))
+        assert any(name.startswith("certrag-pass") for name in seen)  # it did run side by side
+        with pytest.raises(ZeroDivisionError):
+            passes(torch, [10, 20, 30, 40], 8, 16, lambda rows: 1 / 0)
+    finally:
+        torch.set_num_threads(before)
+    batches = [np.array([0, 1, 2]), np.array([3]), np.array([4, 5]), np.array([6])]
+    widths = [32, 32, 32, 64, 16, 16, 48]
+    groups = pass_groups(batches, widths, 2)
+    assert sorted(np.concatenate([np.concatenate(g) for g in groups]).tolist()) == list(range(7))
+    loads = sorted(sum(len(b) * max(widths[i] for i in b) for b in g) for g in groups)
+    assert loads == [112, 128]  # 64 + 48 against 96 + 32: as even as these four batches allow
 
 
 def test_length_batches_keep_to_the_token_budget():
