@@ -277,6 +277,7 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
 
     out = {"rerank": [], "embed": [], "retrieve": [], "indexing": []}
     rerankers = {b: make_reranker(b, threads) for b in backends}
+    rerankers[f"default, {SERIAL}"] = _serial(CrossEncoderReranker())
     rerankers["float32, padded (today)"] = CrossEncoderReranker(backend="float32", batch_size=32, pad_grid=0)
     names = list(rerankers)
     for label, pool in (("12.7k store passages", cand), ("32-token chunks", short)):
@@ -296,6 +297,7 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
 
     sentences = [s for c in cand[:40] for s in c[0].split(". ")][:2000]
     embedders = {b: make_embedder(b, threads) for b in backends}
+    embedders[f"default, {SERIAL}"] = _serial(make_embedder("auto", threads))
     bulk = {n: [] for n in embedders}
     single = {n: [] for n in embedders}
     for n, e in embedders.items():
@@ -358,9 +360,12 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
 
     paths = {"today: float32, one document at a time, no memo": "float32"}
     paths.update({f"{_label(b)}, batched, each text once": b for b in _native_backends()})
+    paths[f"default, batched, each text once, {SERIAL}"] = "auto"
     for name, backend in paths.items():
         today = name.startswith("today")
         emb = Embedder(backend="float32", memo_size=0, pad_grid=0) if today else Embedder(backend=backend)
+        if SERIAL in name:
+            _serial(emb)
         config = EngineConfig(encoder_backend=emb.backend.requested, retrieval=RetrievalConfig(rerank=False))
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
@@ -381,6 +386,15 @@ def _native_backends() -> list[str]:
     from certrag.backends import resolve
 
     return [b for b in ("bfloat16", "int8") if resolve(b).backend == b]
+
+
+SERIAL = "one pass after another on all threads (session 9)"
+
+
+def _serial(model):
+    """model with its call's batches run one after another on all torch threads, as before backends.passes."""
+    model.max_passes = 1
+    return model
 
 
 def _label(backend: str) -> str:
@@ -423,6 +437,8 @@ def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
     for name, (emb, rr) in _retrieve_backends().items():  # the native backends and the mixed pair
         paths[name] = Retriever(Embedder(backend=emb, memo_size=0), CrossEncoderReranker(backend=rr),
                                 cfg.replace(retrieval=RetrievalConfig(candidates=cand)))
+    paths[f"default, {SERIAL}"] = Retriever(_serial(Embedder(memo_size=0)), _serial(CrossEncoderReranker()),
+                                            cfg.replace(retrieval=RetrievalConfig(candidates=cand)))
     if CrossEncoderReranker().skip_rule:
         paths["default + adaptive reranking"] = Retriever(
             Embedder(memo_size=0), CrossEncoderReranker(),
@@ -507,6 +523,11 @@ def report(partial: dict, meta: dict) -> str:
                   _common.markdown_table(["backend", "candidates", "p50 ms", "speed-up vs today"],
                                          [[x["backend"], x["candidates"], x["p50_ms"], x["speedup"]]
                                           for x in s["rerank"]])]
+    if s.get("embed"):
+        lines += ["\nEmbedding speed per backend (2,000 sentences in bulk, median of 3; one question, median):\n",
+                  _common.markdown_table(["backend", "sentences/s", "question ms", "bulk speed-up vs float32"],
+                                         [[x["backend"], x["sentences_per_s"], x["question_ms"], x["speedup_bulk"]]
+                                          for x in s["embed"]])]
     if s.get("retrieve"):
         lines += [f"\n`retrieve` end to end ({s['retrieve'][0]['queries']} NQ-open test questions, one caller, the "
                   "paths interleaved question by question; ratio against today's path on the same store):\n",

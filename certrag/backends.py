@@ -206,7 +206,7 @@ def pass_groups(batches: list[np.ndarray], widths: Sequence[int], workers: int) 
 
 
 def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Callable[[np.ndarray], None], *,
-           max_tokens: int | None = None) -> None:
+           max_tokens: int | None = None, max_passes: int = MAX_PASSES) -> None:
     """Calls run(rows) for every length batch of a call (length_batches), inside inference mode.
 
     With several torch threads the call's rows are batched for that many passes and the passes run side by side,
@@ -214,10 +214,11 @@ def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Calla
     matrices are small, and one pass on two threads spends much of its time waiting at the synchronisation of each
     operation (20 reranked passages on 2 cores: 224 against 298 ms; benchmarks/bench_encoders.py). A row's
     numbers do not depend on its batch (the grid), so the results are the ones of a single pass; run must write
-    disjoint rows only. grid 0 (rows padded to their batch's longest) keeps one pass after another."""
+    disjoint rows only. grid 0 (rows padded to their batch's longest) or max_passes 1 keeps one pass after another
+    on all threads."""
     from concurrent.futures import wait
 
-    threads = max(1, min(torch.get_num_threads(), MAX_PASSES, len(lengths))) if grid > 0 else 1
+    threads = max(1, min(torch.get_num_threads(), max_passes, MAX_PASSES, len(lengths))) if grid > 0 else 1
     if threads > 1:
         batch_size = min(batch_size, -(-len(lengths) // threads))  # at least one batch per thread
     batches = list(length_batches(lengths, batch_size, grid, max_tokens))

@@ -139,7 +139,7 @@ class Embedder:
                  batch_size: int = 64, max_length: int = 256, num_threads: int | None = None,
                  cache: EmbeddingCache | None = None, backend: str = "auto", memo_size: int = 16384,
                  pad_grid: int = 8) -> None:
-        from certrag.backends import check_backend, prepare, resolve
+        from certrag.backends import MAX_PASSES, check_backend, prepare, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size!r}")
@@ -162,6 +162,7 @@ class Embedder:
         self.batch_size = batch_size
         self.max_length = max_length
         self.num_threads = num_threads
+        self.max_passes = MAX_PASSES  # 1: a call's batches one after another on all threads (backends.passes)
         self.cache = cache
         self.backend = resolve(backend)
         self.memo_size = memo_size
@@ -264,7 +265,7 @@ class Embedder:
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
             try:
-                passes(torch, [len(e.ids) for e in enc], self.batch_size, self.pad_grid, run)
+                passes(torch, [len(e.ids) for e in enc], self.batch_size, self.pad_grid, run, max_passes=self.max_passes)
             finally:
                 if self.num_threads:
                     torch.set_num_threads(previous)

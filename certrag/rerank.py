@@ -35,7 +35,7 @@ class CrossEncoderReranker:
     def __init__(self, model_dir: str | os.PathLike = PACKAGE_RERANKER, *, max_length: int = 256,
                  batch_size: int = 32, backend: str = "auto", pad_grid: int = 16, max_batch_tokens: int = 4096,
                  num_threads: int | None = None) -> None:
-        from certrag.backends import check_backend, prepare, resolve
+        from certrag.backends import MAX_PASSES, check_backend, prepare, resolve
         from certrag.embed import _import_torch
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -48,6 +48,7 @@ class CrossEncoderReranker:
             raise ValueError(f"max_batch_tokens must be a positive integer; got {max_batch_tokens!r}")
         self.max_batch_tokens = max_batch_tokens
         self.num_threads = _threads(num_threads)
+        self.max_passes = MAX_PASSES  # 1: a call's batches one after another on all threads (backends.passes)
 
         torch = _import_torch()
         from tokenizers import Tokenizer
@@ -135,7 +136,8 @@ class CrossEncoderReranker:
             if self.num_threads:
                 torch.set_num_threads(self.num_threads)
             try:
-                passes(torch, [len(e.ids) for e in enc], batch, self.pad_grid, run, max_tokens=self.max_batch_tokens)
+                passes(torch, [len(e.ids) for e in enc], batch, self.pad_grid, run, max_tokens=self.max_batch_tokens,
+                       max_passes=self.max_passes)
             finally:
                 if self.num_threads:
                     torch.set_num_threads(previous)
