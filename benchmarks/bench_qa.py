@@ -153,6 +153,8 @@ def main() -> None:
                    help="the reader's weights (bfloat16 prefills about 2x faster on a CPU with AVX512-BF16)")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the shard files")
     p.add_argument("--report-only", action="store_true", help="summarise the shard files as they are")
+    p.add_argument("--below", type=int, default=None,
+                   help="summarise only the first N test questions (to pair a run cut short with another reader's)")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--reverse", action="store_true", help=argparse.SUPPRESS)
@@ -182,7 +184,8 @@ def main() -> None:
     conditions = dict(selected_conditions(args.conditions))
     by_q: dict[int, dict[int, dict | None]] = {}
     for r in _records(args):
-        by_q.setdefault(r["q"], {})[r["condition"]] = r["row"]
+        if args.below is None or r["q"] < args.below:
+            by_q.setdefault(r["q"], {})[r["condition"]] = r["row"]
 
     # Paired sets: within a ratio, the questions every strategy of that ratio has answered (or skipped).
     ratio_conditions = collections.defaultdict(list)
@@ -217,7 +220,7 @@ def main() -> None:
               "generate": t["generate_ms"]}
     total = sum(stages.values())
     meta = _common.meta({"bench": "bench_qa", "model": args.model, "dtype": args.dtype, "counts": counts,
-                         "questions": args.questions, "noise_questions": args.noise_questions, "scan": args.scan,
+                         "questions": args.questions, "noise_questions": args.noise_questions, "scan": args.scan, "below": args.below,
                          "feedback": fb_dist, "end_to_end_ms": stages})
     by = {(x["strategy"], x["noise_ratio"]): x for x in summaries}
 
