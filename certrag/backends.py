@@ -178,18 +178,58 @@ def padded(encodings: list, rows: np.ndarray, pad_id: int = 0, grid: int = 0) ->
 
 # ------------------------------------------------------------------------------------- passes side by side
 
-_PASS_POOL = None
-_PASS_POOL_LOCK = threading.Lock()
 MAX_PASSES = 8
+MIN_PASS_TOKENS = 1024  # a call of fewer padded tokens runs as one pass: handing it out would cost more than it saves
 
 
-def _pass_pool():
+class _PassPool:
+    """MAX_PASSES threads whose torch runs on one thread each, set once when they start.
+
+    torch keeps the intra-op thread count per thread but also as a process default that threads read when they first
+    run an operation; setting it in a worker per task would leave that default at 1 for a moment, and a thread that
+    started then (a server's request thread) would keep one thread for good. So the workers set theirs once, at
+    start, and the default is put back before the pool is used."""
+
+    def __init__(self, torch) -> None:
+        import queue
+
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        ready = threading.Barrier(MAX_PASSES + 1)
+        before = torch.get_num_threads()
+        for i in range(MAX_PASSES):
+            threading.Thread(target=self._work, args=(torch, ready), name=f"certrag-pass-{i}", daemon=True).start()
+        ready.wait()
+        torch.set_num_threads(before)  # the process default again, as it was
+
+    def _work(self, torch, ready) -> None:
+        torch.get_num_threads()  # this thread's own setting is made now, from the default
+        torch.set_num_threads(1)
+        ready.wait()
+        while True:
+            fn, arg, future = self._tasks.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(arg))
+                except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+                    future.set_exception(exc)
+
+    def submit(self, fn, arg):
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        self._tasks.put((fn, arg, future))
+        return future
+
+
+_PASS_POOL: _PassPool | None = None
+_PASS_POOL_LOCK = threading.Lock()
+
+
+def _pass_pool(torch) -> _PassPool:
     global _PASS_POOL
     with _PASS_POOL_LOCK:
         if _PASS_POOL is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _PASS_POOL = ThreadPoolExecutor(MAX_PASSES, thread_name_prefix="certrag-pass")
+            _PASS_POOL = _PassPool(torch)
         return _PASS_POOL
 
 
@@ -214,11 +254,13 @@ def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Calla
     matrices are small, and one pass on two threads spends much of its time waiting at the synchronisation of each
     operation (20 reranked passages on 2 cores: 224 against 298 ms; benchmarks/bench_encoders.py). A row's
     numbers do not depend on its batch (the grid), so the results are the ones of a single pass; run must write
-    disjoint rows only. grid 0 (rows padded to their batch's longest) or max_passes 1 keeps one pass after another
-    on all threads."""
+    disjoint rows only. grid 0 (rows padded to their batch's longest), max_passes 1, or a call of fewer than
+    MIN_PASS_TOKENS padded tokens keeps one pass after another on all threads."""
     from concurrent.futures import wait
 
     threads = max(1, min(torch.get_num_threads(), max_passes, MAX_PASSES, len(lengths))) if grid > 0 else 1
+    if threads > 1 and sum(grid_width(n, grid) for n in lengths) < MIN_PASS_TOKENS:
+        threads = 1
     if threads > 1:
         batch_size = min(batch_size, -(-len(lengths) // threads))  # at least one batch per thread
     batches = list(length_batches(lengths, batch_size, grid, max_tokens))
@@ -230,16 +272,11 @@ def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Calla
     widths = [grid_width(n, grid) for n in lengths]
 
     def work(group: list[np.ndarray]) -> None:
-        torch.set_num_threads(1)
-        try:
-            with torch.inference_mode():
-                for rows in group:
-                    run(rows)
-        finally:
-            torch.set_num_threads(threads_before)
+        with torch.inference_mode():
+            for rows in group:
+                run(rows)
 
-    threads_before = torch.get_num_threads()
-    pool = _pass_pool()
+    pool = _pass_pool(torch)
     futures = [pool.submit(work, g) for g in pass_groups(batches, widths, threads)]
     wait(futures)  # every pass has finished writing before the call returns or raises
     for future in futures:

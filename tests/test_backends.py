@@ -246,7 +246,12 @@ def test_passes_side_by_side_give_the_numbers_of_one_pass_after_another(texts):
         passes(torch, [len(t) // 4 for t in texts], 8, 16, lambda rows: seen.append(threading.current_thread().name))
         assert any(name.startswith("certrag-pass") for name in seen)  # it did run side by side
         with pytest.raises(ZeroDivisionError):
-            passes(torch, [10, 20, 30, 40], 8, 16, lambda rows: 1 / 0)
+            passes(torch, [300, 300, 300, 300], 8, 16, lambda rows: 1 / 0)
+        fresh = []  # a thread started after the passes gets the process's thread count, not the workers' one
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert fresh == [2]
     finally:
         torch.set_num_threads(before)
     batches = [np.array([0, 1, 2]), np.array([3]), np.array([4, 5]), np.array([6])]
