@@ -179,7 +179,7 @@ def padded(encodings: list, rows: np.ndarray, pad_id: int = 0, grid: int = 0) ->
 # ------------------------------------------------------------------------------------- passes side by side
 
 MAX_PASSES = 8
-MIN_PASS_TOKENS = 1024  # a call of fewer padded tokens runs as one pass: handing it out would cost more than it saves
+MIN_PASS_TOKENS = 256  # a call of fewer padded tokens runs as one pass: handing it out would cost more than it saves
 
 
 class _PassPool:
