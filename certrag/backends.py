@@ -252,7 +252,7 @@ def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Calla
     With several torch threads the call's rows are batched for that many passes and the passes run side by side,
     one torch thread each, on a shared pool, instead of one pass after another on all threads: the encoders'
     matrices are small, and one pass on two threads spends much of its time waiting at the synchronisation of each
-    operation (20 reranked passages on 2 cores: 224 against 298 ms; benchmarks/bench_encoders.py). A row's
+    operation (20 reranked NQ passages on 2 cores: 227 against 358 ms; benchmarks/bench_encoders.py). A row's
     numbers do not depend on its batch (the grid), so the results are the ones of a single pass; run must write
     disjoint rows only. grid 0 (rows padded to their batch's longest), max_passes 1, or a call of fewer than
     MIN_PASS_TOKENS padded tokens keeps one pass after another on all threads."""
