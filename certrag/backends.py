@@ -14,9 +14,8 @@ Backends, measured side by side in benchmarks/bench_encoders.py (RESULTS.md keep
   ``int8-dynamic`` for comparison). Needs VNNI to be fast; it falls back without it. Opt-in.
 - ``auto`` (the default): the fastest backend that held the quality bounds and gives a text the same numbers
   whatever its batch -- bfloat16 where the CPU has it natively, else float32. (int8 held the reranker's bounds but
-  not segmentation F1, -0.0057, and reranks slower than bfloat16 here, 447 against 361 ms for 20 passages: the
-  per-row normalising and rescaling are passes over the activations of their own, which cost more than the int8
-  product saves; bench_encoders.)
+  not segmentation F1, -0.0057; with passes side by side it reranks 20 passages in 206 ms against bfloat16's 227,
+  which makes `retrieve` only 5-6% faster here: not enough to make the default two backends; bench_encoders.)
 
 A backend the CPU cannot run natively is never refused: it falls back to float32 at run time, as the native core's
 SIMD dispatch does, and says so (``resolve`` returns the reason; ``certrag info`` shows it).
