@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -230,6 +231,16 @@ def _pass_pool(torch) -> _PassPool:
         if _PASS_POOL is None:
             _PASS_POOL = _PassPool(torch)
         return _PASS_POOL
+
+
+def _forget_pass_pool() -> None:
+    """In a forked child: its copy of the pool has no worker threads (and its lock may be held), so it makes its own."""
+    global _PASS_POOL, _PASS_POOL_LOCK
+    _PASS_POOL, _PASS_POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pass_pool)
 
 
 def pass_groups(batches: list[np.ndarray], widths: Sequence[int], workers: int) -> list[list[np.ndarray]]:

@@ -262,6 +262,37 @@ def test_passes_side_by_side_give_the_numbers_of_one_pass_after_another(texts):
     assert loads == [112, 128]  # 64 + 48 against 96 + 32: as even as these four batches allow
 
 
+def test_passes_in_a_forked_child_do_not_wait_on_the_parents_pool():
+    """A child forked after the pool exists has no copy of its threads: its passes must run, not hang."""
+    import multiprocessing
+
+    import torch
+
+    from certrag.backends import passes
+
+    def child(out):
+        torch.set_num_threads(2)
+        seen = []
+        passes(torch, [300, 300, 300, 300], 8, 16, lambda rows: seen.extend(rows.tolist()))
+        out.put(sorted(seen))
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        passes(torch, [300, 300, 300, 300], 8, 16, lambda rows: None)  # the parent's pool exists
+    finally:
+        torch.set_num_threads(before)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=child, args=(out,))
+    proc.start()
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0, "the forked child's passes hung or failed"
+    assert out.get(timeout=5) == [0, 1, 2, 3]
+
+
 def test_length_batches_keep_to_the_token_budget():
     lengths = [100, 90, 30, 30, 30, 30, 10]
     for grid in (0, 16):
