@@ -268,8 +268,9 @@ def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Calla
     MIN_PASS_TOKENS padded tokens keeps one pass after another on all threads."""
     from concurrent.futures import wait
 
+    widths = [grid_width(n, grid) for n in lengths]
     threads = max(1, min(torch.get_num_threads(), max_passes, MAX_PASSES, len(lengths))) if grid > 0 else 1
-    if threads > 1 and sum(grid_width(n, grid) for n in lengths) < MIN_PASS_TOKENS:
+    if threads > 1 and sum(widths) < MIN_PASS_TOKENS:
         threads = 1
     if threads > 1:
         batch_size = min(batch_size, -(-len(lengths) // threads))  # at least one batch per thread
@@ -279,7 +280,6 @@ def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Calla
             for rows in batches:
                 run(rows)
         return
-    widths = [grid_width(n, grid) for n in lengths]
 
     def work(group: list[np.ndarray]) -> None:
         with torch.inference_mode():
