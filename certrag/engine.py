@@ -410,6 +410,12 @@ class Engine:
         identity = getattr(self._reranker, "identity", None)
         return dict(identity) if identity is not None else {"name": getattr(self._reranker, "name", "reranker")}
 
+    def reranker_backend(self) -> str | None:
+        """The numeric backend the reranker runs in (float32, bfloat16, int8); None without a reranker, or when it
+        does not say."""
+        described = getattr(getattr(self._reranker, "backend", None), "as_dict", lambda: None)()
+        return described.get("backend") if isinstance(described, dict) else None
+
     @property
     def calibration(self):
         """The stored conformal calibration (certrag.certify.conformal.Calibration), or None when the store has
@@ -454,7 +460,8 @@ class Engine:
         cal = self.calibration
         if cal is not None:
             cal.check_identity(self.embedder_name, self.reranker_identity())
-        return certify(cal, retrieval, force=force, chunks=len(self), where=str(self.path))
+        return certify(cal, retrieval, force=force, chunks=len(self), where=str(self.path),
+                       reranker_backend=self.reranker_backend())
 
     @property
     def llm(self):

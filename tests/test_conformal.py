@@ -323,6 +323,7 @@ def test_a_retriever_that_misses_half_the_sources_shows_m1_well_below_target(tmp
         rec = engine.calibrate(cal, alpha=0.1, holdout=0.4, progress=False, save=False)
         d = rec.diagnostics
         assert rec.s_thres is not None and rec.score_transform == "rerank logit"
+        assert rec.reranker_backend == CrossEncoderReranker.default().backend.backend  # what scored the candidates
         assert 0.3 < rec.n_without_correct / rec.n < 0.7  # about half the gold passages are missing
         assert d.m1 < 0.75 and not rec.holds and any(r.startswith("m1 = ") for r in d.reasons)
         held = [c["question"] for c in cal if stable_holdout(c["question"], 0.4)]
@@ -385,3 +386,19 @@ def test_certification_says_when_the_store_changed_since_calibration(wiki_engine
     assert c.applied and "changed since calibration" in c.reason
     engine.set_calibration(_record(embedder=engine.embedder_name, chunks=len(engine)))
     assert engine.certify(engine.retrieve(items[0]["question"])).reason == ""
+
+
+def test_certification_says_when_the_reranker_runs_in_another_backend_than_calibrated():
+    from types import SimpleNamespace
+
+    from certrag.certify.conformal import certify
+
+    r = SimpleNamespace(dense_scores=np.array([0.9, 0.6], np.float32), rerank_scores=np.array([0.9, 0.6], np.float32))
+    rec = _record(reranker_backend="float32")
+    c = certify(rec, r, reranker_backend="bfloat16")
+    assert c.applied and "calibrated with the reranker in float32, which now runs in bfloat16" in c.reason
+    assert c.trusted.tolist() == [True, False]
+    for now in ("float32", None):  # the same backend, or an engine that does not say
+        assert certify(rec, r, reranker_backend=now).reason == ""
+    assert certify(_record(), r, reranker_backend="bfloat16").reason == ""  # a record from before the field
+    assert Calibration.from_dict(rec.to_dict()) == rec

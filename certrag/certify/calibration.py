@@ -206,7 +206,7 @@ def calibrate(engine, data: object, *, alpha: float = 0.1, holdout: float = 0.3,
                          answer_threshold=answer_threshold, source_threshold=source_threshold, span_tokens=span_tokens,
                          created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                          diagnostics=diagnose(held, s_thres, alpha), chunks=len(engine),
-                         n_without_correct=int(np.isinf(best).sum()))
+                         n_without_correct=int(np.isinf(best).sum()), reranker_backend=engine.reranker_backend())
     return record, cal, held
 
 

@@ -133,6 +133,7 @@ class Calibration:
     chunks: int | None = None  # the store's size when calibrated: a store that changed since wants recalibrating
     span_tokens: int = 0  # answers of at most this many tokens must occur as a whole span (0: records before the rule)
     n_without_correct: int = 0  # calibration items left out of the quantile: no correct chunk among the candidates
+    reranker_backend: str | None = None  # float32 | bfloat16 | int8 the scores were computed in (None: not recorded)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -267,10 +268,13 @@ def diagnose(scored: ScoredItems, s_thres: float | None, alpha: float) -> Diagno
 
 
 def certify(calibration: Calibration | None, retrieval, *, force: bool = False, chunks: int | None = None,
-            where: str = "the store") -> Certification:
+            where: str = "the store", reranker_backend: str | None = None) -> Certification:
     """Marks each candidate of a retrieval (certrag.retrieval.Retrieval) trusted or not under a calibration. applied
     is True when the diagnostics say the guarantee holds (or force): only then should the context shrink to the
-    trusted candidates. chunks: the store's size now, to say when it changed since calibration."""
+    trusted candidates. chunks: the store's size now, to say when it changed since calibration; reranker_backend:
+    the numeric backend the reranker runs in now, to say when the calibration's scores were computed in another
+    (bfloat16 and float32 scores differ in the third decimal: the threshold is close, the stated coverage is not
+    exact)."""
     if calibration is None:
         raise CalibrationError(f"{where} has no calibration: run `certrag calibrate` (or engine.calibrate) first")
     cal = calibration
@@ -278,6 +282,9 @@ def certify(calibration: Calibration | None, retrieval, *, force: bool = False, 
     trusted = cal.trusted(scores)
     stale = (f"; the store has changed since calibration ({cal.chunks:,} -> {chunks:,} chunks): recalibrate"
              if cal.chunks is not None and chunks is not None and cal.chunks != chunks else "")
+    if cal.reranker_backend and reranker_backend and cal.reranker_backend != reranker_backend:
+        stale += (f"; calibrated with the reranker in {cal.reranker_backend}, which now runs in {reranker_backend}: "
+                  f"recalibrate for the stated coverage")
     if cal.holds or force:
         return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=True,
                              reason=(("forced although the guarantee does not hold" if not cal.holds else "")
