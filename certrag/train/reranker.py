@@ -8,6 +8,12 @@ train questions (by stable hash) is kept aside to choose the epoch; held-out met
 Model: BertForSequenceClassification (one logit) started from the bundled MiniLM encoder; its output layer starts at
 zero and the fused score ce + w * cos starts with w = w0, so step 0 ranks exactly like the bi-encoder. Loss: softmax
 cross-entropy over each group (positive first, then negatives) of fused scores.
+
+Distillation (teacher=, layers=): a smaller reranker for where the cross-encoder is the query's cost. The student
+starts from the teacher's own weights with only `layers` of its encoder layers kept (evenly spaced, ending with the
+last, whose output the classifier reads), its fusion weight from the teacher's card, and learns from the gold
+label and the teacher's fused scores over the same group: loss = cross-entropy(gold) + KL(teacher || student) of
+the group's softmax. The teacher's scores are computed once, before training.
 """
 
 from __future__ import annotations
@@ -51,10 +57,18 @@ def mrr_at_10(score_lists: list[np.ndarray], gold_positions: list[int]) -> float
     return total / max(1, len(score_lists))
 
 
+def kept_layers(total: int, keep: int) -> list[int]:
+    """keep of total layer indices, evenly spaced and ending with the last (6 -> 3: [1, 3, 5])."""
+    if not 1 <= keep <= total:
+        raise ValueError(f"keep must be between 1 and {total}; got {keep}")
+    return [total - 1 - round(i * total / keep) for i in reversed(range(keep))]
+
+
 def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: int = 30, epochs: int = 2,
                    lr: float = 3e-5, max_length: int = 192, dense_weight: float = 20.0, val_fraction: float = 0.15,
                    seed: int = 0, max_questions: int | None = None, time_budget_s: float | None = None,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, teacher: str | os.PathLike | None = None, layers: int | None = None,
+                   evals_per_epoch: int = 1) -> dict:
     from tqdm.auto import tqdm
 
     from certrag.embed import Embedder, EmbeddingCache, _import_torch, default_model_dir
@@ -62,6 +76,17 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
     from certrag.data.nq import load_nq_open, passage_text
     from certrag.home import certrag_home
 
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+        raise ValueError(f"layers must be a positive integer; got {layers!r}")
+    if isinstance(evals_per_epoch, bool) or not isinstance(evals_per_epoch, int) or evals_per_epoch < 1:
+        raise ValueError(f"evals_per_epoch must be a positive integer; got {evals_per_epoch!r}")
+    teacher_card = None
+    if teacher is not None:
+        teacher = Path(teacher)
+        if not (teacher / "card.json").exists():
+            raise FileNotFoundError(f"teacher: no reranker card at {teacher / 'card.json'}")
+        teacher_card = json.loads((teacher / "card.json").read_text())
+        dense_weight = float(teacher_card["dense_weight"])
     torch = _import_torch()
     from tokenizers import Tokenizer
     from transformers import BertConfig, BertForSequenceClassification
@@ -104,11 +129,14 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
     log.info("%d training groups, %d validation questions", len(groups), len(val))
 
     base = default_model_dir()
-    config = BertConfig.from_pretrained(str(base), num_labels=1, local_files_only=True)
-    model = BertForSequenceClassification.from_pretrained(str(base), config=config, local_files_only=True)
-    with torch.no_grad():
-        model.classifier.weight.zero_()
-        model.classifier.bias.zero_()
+    source = base if teacher is None else teacher
+    config = BertConfig.from_pretrained(str(source), num_labels=1, local_files_only=True)
+    model = BertForSequenceClassification.from_pretrained(str(source), config=config, local_files_only=True,
+                                                          dtype=torch.float32)
+    if teacher is None:
+        with torch.no_grad():
+            model.classifier.weight.zero_()
+            model.classifier.bias.zero_()
     w = torch.nn.Parameter(torch.tensor(float(dense_weight)))
     tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
     tokenizer.enable_truncation(max_length, strategy="only_second")
@@ -120,6 +148,22 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         mask = torch.tensor([e.attention_mask for e in enc])
         types = torch.tensor([e.type_ids for e in enc])
         return model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits[:, 0]
+
+    targets, kept = None, None
+    if teacher is not None:
+        model.eval()
+        with torch.inference_mode():
+            targets = [forward(q, passages) + dense_weight * torch.from_numpy(dscores)
+                       for q, passages, dscores in tqdm(groups, desc="the teacher's scores", unit="group",
+                                                        disable=not progress)]
+        model.train()
+    total_layers = len(model.bert.encoder.layer)
+    if layers is not None and layers < total_layers:
+        kept = kept_layers(total_layers, layers)
+        model.bert.encoder.layer = torch.nn.ModuleList([model.bert.encoder.layer[i] for i in kept])
+        model.config.num_hidden_layers = layers
+    elif layers is not None and layers > total_layers:
+        raise ValueError(f"layers must be at most the model's {total_layers}; got {layers}")
 
     def evaluate() -> tuple[float, float]:
         model.eval()
@@ -144,13 +188,20 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
     log.info("step 0: validation MRR@10 %.4f (bi-encoder %.4f)", mrr0, dense_mrr)
     step, stopped = 0, False
     model.train()
+    order = list(range(len(groups)))
+    checkpoints = {round(len(groups) * (k + 1) / evals_per_epoch) for k in range(evals_per_epoch)}
+    running = 0.0
     for epoch in range(epochs):
-        rng.shuffle(groups)
-        bar = tqdm(groups, desc=f"reranker epoch {epoch + 1}/{epochs}", disable=not progress)
-        running = 0.0
-        for q, passages, dscores in bar:
+        rng.shuffle(order)
+        bar = tqdm(order, desc=f"reranker epoch {epoch + 1}/{epochs}", disable=not progress)
+        for done, g in enumerate(bar, 1):
+            q, passages, dscores = groups[g]
             scores = forward(q, passages) + w * torch.from_numpy(dscores)
             loss = torch.nn.functional.cross_entropy(scores[None, :], torch.zeros(1, dtype=torch.long))
+            if targets is not None:
+                loss = loss + torch.nn.functional.kl_div(torch.log_softmax(scores, 0),
+                                                         torch.log_softmax(targets[g], 0), log_target=True,
+                                                         reduction="sum")
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -161,13 +212,16 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
             bar.set_postfix(loss=round(running, 4), w=round(float(w.detach()), 2))
             if time_budget_s and time.time() - started > time_budget_s:
                 stopped = True
+            if stopped or done in checkpoints:
+                mrr, _ = evaluate()
+                history.append({"step": step, "epoch": round(epoch + done / len(groups), 3), "val_mrr10": mrr,
+                                "dense_weight": float(w.detach()), "train_loss_ema": running})
+                log.info("step %d: validation MRR@10 %.4f (bi-encoder %.4f)", step, mrr, dense_mrr)
+                if mrr > best[0]:
+                    best = (mrr, step, {k: v.detach().clone() for k, v in model.state_dict().items()},
+                            float(w.detach()))
+            if stopped:
                 break
-        mrr, _ = evaluate()
-        history.append({"step": step, "epoch": epoch + 1, "val_mrr10": mrr, "dense_weight": float(w.detach()),
-                        "train_loss_ema": running})
-        log.info("epoch %d: validation MRR@10 %.4f (bi-encoder %.4f)", epoch + 1, mrr, dense_mrr)
-        if mrr > best[0]:
-            best = (mrr, step, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w.detach()))
         if stopped:
             break
 
@@ -179,10 +233,23 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
     tmp.mkdir(parents=True)
     model.half().save_pretrained(str(tmp), safe_serialization=True)
     shutil.copy(base / "tokenizer.json", tmp / "tokenizer.json")
+    n_layers = len(model.bert.encoder.layer)
+    if teacher is None:
+        origin = "sentence-transformers/all-MiniLM-L6-v2 (encoder weights; new output layer, zero-initialised)"
+        if kept is not None:
+            origin += f"; encoder layers {kept} kept"
+        remake = f"certrag train-reranker --out {out} --epochs {epochs} --negatives {negatives} --seed {seed}"
+    else:
+        origin = (f"distilled from {teacher_card.get('name', teacher)} ({teacher}): its weights with encoder layers "
+                  f"{kept if kept is not None else list(range(n_layers))} kept, its fusion weight to start")
+        remake = (f"certrag train-reranker --out {out} --teacher {teacher} --layers {n_layers} --epochs {epochs} "
+                  f"--negatives {negatives} --lr {lr} --evals-per-epoch {evals_per_epoch} --seed {seed}")
     card = {
-        "name": "certrag-minilm-cross-encoder",
+        "name": "certrag-minilm-cross-encoder" if teacher is None and kept is None
+        else f"certrag-minilm-l{n_layers}-cross-encoder",
         "kind": "cross-encoder reranker fused with the dense score: ce(q, p) + dense_weight * cos(q, p)",
-        "base_model": "sentence-transformers/all-MiniLM-L6-v2 (encoder weights; new output layer, zero-initialised)",
+        "base_model": origin,
+        "layers": n_layers,
         "dense_weight": best[3],
         "data": {"source": "NQ-open train split (certrag.data.splits.split_of)", "groups": len(groups),
                  "negatives_per_group": negatives, "mined_from_top": candidates,
@@ -191,14 +258,16 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                  "validation_questions": len(val), "validation_rule": f"sha256('rerank-val:' + q) < {val_fraction}"},
         "training": {"optimizer": "AdamW", "lr": lr, "dense_weight_lr": 1e-2, "warmup": "10% linear, then linear decay",
                      "epochs": epochs, "steps": step, "selected_step": best[1], "max_length": max_length,
-                     "loss": "softmax cross-entropy over each group", "seed": seed,
+                     "loss": "softmax cross-entropy over each group" + (
+                         "" if teacher is None else " + KL(teacher || student) of the group's softmax"),
+                     "seed": seed, "evals_per_epoch": evals_per_epoch,
                      "stopped_by_time_budget": stopped},
         "held_out": {"mrr10_reranker": best[0], "mrr10_bi_encoder": dense_mrr,
                      "note": "validation questions from the train split, never calibration or test"},
         "history": history,
         "dtype": "float16",
         "seconds": round(time.time() - started, 1),
-        "remake": f"certrag train-reranker --out {out} --epochs {epochs} --negatives {negatives} --seed {seed}",
+        "remake": remake,
     }
     (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     if out.exists():

@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=float, default=0.001, help="train MRR@10 the rule may lose (default 0.001)")
     p.add_argument("--candidates", type=int, default=20)
     p.add_argument("--backend", default="auto", help="encoder backend to fit with (default auto)")
-    p.add_argument("--card", type=Path, default=None, help="card to write (default: the packaged reranker's)")
+    p.add_argument("--reranker", type=Path, default=None,
+                   help="reranker folder to fit the rule for (default: the packaged default reranker)")
+    p.add_argument("--card", type=Path, default=None, help="card to write (default: that reranker's own)")
     p.add_argument("--dry-run", action="store_true", help="print the rule, write nothing")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -116,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     from certrag.home import certrag_home
     from certrag.rerank import PACKAGE_RERANKER, CrossEncoderReranker
 
-    reranker = CrossEncoderReranker(backend=args.backend)
+    folder = args.reranker or PACKAGE_RERANKER
+    reranker = CrossEncoderReranker(folder, backend=args.backend)
     embedder = Embedder(backend=args.backend,
                         cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"))
     train = load_nq_open(split="train")
@@ -129,11 +132,12 @@ def main(argv: list[str] | None = None) -> None:
             "budget_mrr10": args.budget, "fitted_on": f"NQ-open train split, {len(train)} questions, "
             f"{len(corpus)} passages, {args.candidates} candidates", "backend": reranker.backend.backend,
             "train_skip_rate": on_train["skip_rate"], "train_mrr10_reranked": on_train["mrr_reranked"],
-            "train_mrr10_adaptive": on_train["mrr_adaptive"], "command": "python -m certrag.train.skip_rule"}
+            "train_mrr10_adaptive": on_train["mrr_adaptive"],
+            "command": "python -m certrag.train.skip_rule" + (f" --reranker {folder}" if args.reranker else "")}
     print(json.dumps(rule, indent=2))
     if args.dry_run:
         return
-    card_path = args.card or PACKAGE_RERANKER / "card.json"
+    card_path = args.card or folder / "card.json"
     card = json.loads(card_path.read_text())
     card["skip_rule"] = rule
     tmp = card_path.with_name(card_path.name + ".tmp")
