@@ -46,5 +46,6 @@ setup(
     package_data={"certrag.segment": ["data/*.safetensors", "data/*.json"],
                   "certrag.certify": ["models/*.json"],
                   "certrag.serve": ["static/*.html"],
-                  "certrag": ["_core.pyi", "py.typed", "reranker/*.json", "reranker/*.safetensors"]},
+                  "certrag": ["_core.pyi", "py.typed", "reranker/*.json", "reranker/*.safetensors",
+                              "reranker-l3/*.json", "reranker-l3/*.safetensors"]},
 )

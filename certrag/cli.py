@@ -16,6 +16,7 @@ import numpy as np
 
 import certrag
 from certrag.data.splits import SPLITS
+from certrag.rerank import PACKAGE_RERANKERS
 from certrag.segment import CHUNKERS
 from certrag.select import SELECTORS
 from certrag.strategies import STRATEGY_NAMES
@@ -191,6 +192,9 @@ def _open_engine(store: Path, read_only: bool):
               help="Override the config's chunker (new store only).")
 @click.option("--shards", type=click.IntRange(1, 1024), default=None,
               help="Split the index into N HNSW shards by document id (new store only; default 1).")
+@click.option("--reranker", type=click.Choice(list(PACKAGE_RERANKERS)), default=None,
+              help="Which shipped cross-encoder reranks (new store only): the default, or the one distilled to 3 "
+                   "layers (half the cost per pair).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Segment and embed on Ray Data workers: alone, a local Ray cluster in this process; with an "
                    "address, that cluster ('auto': the one this machine belongs to).")
@@ -198,7 +202,7 @@ def _open_engine(store: Path, read_only: bool):
               help="Ray workers (actors), each loading the models once (with --ray).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON.")
 def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None, shards: int | None,
-          ray_address: str | None, workers: int, as_json: bool) -> None:
+          reranker: str | None, ray_address: str | None, workers: int, as_json: bool) -> None:
     """Index SRC (files, folders of .txt/.md, JSONL or Parquet with id, text, metadata) into a store: creates it,
     or adds to it when it exists."""
     from certrag.config import EngineConfig
@@ -208,14 +212,16 @@ def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker:
     try:
         config = None
         if (store / "CURRENT").exists():
-            if config_path or chunker or shards:
-                raise click.UsageError("--config, --chunker and --shards apply to a new store only")
+            if config_path or chunker or shards or reranker:
+                raise click.UsageError("--config, --chunker, --shards and --reranker apply to a new store only")
         else:
             config = EngineConfig.load(config_path) if config_path else EngineConfig()
             if chunker:
                 config = config.replace(chunker=chunker)
             if shards:
                 config = config.replace(index=dataclasses.replace(config.index, shards=shards))
+            if reranker:
+                config = config.replace(reranker=reranker)
         if ray_address is not None:
             from certrag.scale.indexing import index_on_ray
 
@@ -590,16 +596,25 @@ def train_factuality_cmd(model: str, questions: int, k: int, out: Path | None, e
 @click.option("--max-questions", type=int, default=None, help="Use only the first N train questions.")
 @click.option("--time-budget", type=float, default=None, help="Stop training after this many seconds.")
 @click.option("--seed", default=0, show_default=True)
+@click.option("--teacher", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Distil from this reranker folder: the student starts from its weights and learns its scores.")
+@click.option("--layers", type=int, default=None,
+              help="Keep this many encoder layers (evenly spaced, ending with the last): a smaller, faster reranker.")
+@click.option("--evals-per-epoch", default=1, show_default=True,
+              help="Validation passes per epoch; the best one is kept.")
 def train_reranker_cmd(out: Path, epochs: int, negatives: int, lr: float, max_questions: int | None,
-                       time_budget: float | None, seed: int) -> None:
+                       time_budget: float | None, seed: int, teacher: Path | None, layers: int | None,
+                       evals_per_epoch: int) -> None:
     """Train the fused cross-encoder reranker on the NQ-open train split (never calibration or test)."""
     from certrag.train.reranker import train_reranker
 
-    for option, value in (("--epochs", epochs), ("--negatives", negatives)):
-        if value < 1:
+    for option, value in (("--epochs", epochs), ("--negatives", negatives), ("--layers", layers),
+                          ("--evals-per-epoch", evals_per_epoch)):
+        if value is not None and value < 1:
             raise click.BadParameter("must be at least 1", param_hint=option)
     card = train_reranker(out, epochs=epochs, negatives=negatives, lr=lr, max_questions=max_questions,
-                          time_budget_s=time_budget, seed=seed)
+                          time_budget_s=time_budget, seed=seed, teacher=teacher, layers=layers,
+                          evals_per_epoch=evals_per_epoch)
     held = card["held_out"]
     click.echo(f"saved {out}: validation MRR@10 {held['mrr10_reranker']:.4f} against the bi-encoder's "
                f"{held['mrr10_bi_encoder']:.4f}")

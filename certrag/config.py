@@ -109,6 +109,9 @@ class EngineConfig:
     # how the bundled encoders run: auto | float32 | bfloat16 | int8 (certrag.backends; falls back where the CPU
     # cannot run the choice natively)
     encoder_backend: str = "auto"
+    # which shipped cross-encoder reranks (certrag.rerank.PACKAGE_RERANKERS): the default, or the one distilled to
+    # 3 layers (half the cost per pair; its quality against the default's is in benchmarks/RESULTS.md)
+    reranker: str = "certrag-minilm-cross-encoder"
     index: IndexConfig = field(default_factory=IndexConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
@@ -119,6 +122,9 @@ class EngineConfig:
         from certrag.backends import check_backend
 
         check_backend(self.encoder_backend, "encoder_backend")
+        from certrag.rerank import check_reranker
+
+        check_reranker(self.reranker, "reranker")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

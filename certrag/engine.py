@@ -180,7 +180,7 @@ class Engine:
             return reranker
         from certrag.rerank import CrossEncoderReranker
 
-        return CrossEncoderReranker.default(config.encoder_backend)
+        return CrossEncoderReranker.default(config.encoder_backend, config.reranker)
 
     @staticmethod
     def _models(embedder, reranker) -> dict:

@@ -29,6 +29,17 @@ from pathlib import Path
 import numpy as np
 
 PACKAGE_RERANKER = Path(__file__).resolve().parent / "reranker"
+DEFAULT_RERANKER = "certrag-minilm-cross-encoder"
+# the rerankers that ship in the package, by the name on their card: the default (6 layers), and the same distilled
+# to 3 layers (certrag train-reranker --teacher certrag/reranker --layers 3): half the cost per pair
+PACKAGE_RERANKERS = {DEFAULT_RERANKER: PACKAGE_RERANKER,
+                     "certrag-minilm-l3-cross-encoder": PACKAGE_RERANKER.with_name("reranker-l3")}
+
+
+def check_reranker(name: object, argument: str = "reranker") -> str:
+    if not isinstance(name, str) or name not in PACKAGE_RERANKERS:
+        raise ValueError(f"{argument} must be one of {', '.join(PACKAGE_RERANKERS)}; got {name!r}")
+    return name
 
 
 class CrossEncoderReranker:
@@ -104,11 +115,12 @@ class CrossEncoderReranker:
         return self._identity
 
     @classmethod
-    def default(cls, backend: str = "auto") -> "CrossEncoderReranker":
-        """The reranker shipped in the package, loaded once per process and backend."""
+    def default(cls, backend: str = "auto", name: str = DEFAULT_RERANKER) -> "CrossEncoderReranker":
+        """A reranker shipped in the package (PACKAGE_RERANKERS; the default one unless named), loaded once per
+        process, name and backend."""
         from certrag.backends import check_backend
 
-        return _default_reranker(check_backend(backend))
+        return _default_reranker(check_backend(backend), check_reranker(name, "name"))
 
     def cross_scores(self, questions: list[str], passages: list[str], *, batch_size: int | None = None
                      ) -> np.ndarray:
@@ -170,5 +182,6 @@ def _threads(num_threads: int | None) -> int | None:
     return num_threads
 
 
-def _default_reranker(backend: str = "auto") -> CrossEncoderReranker:
-    return CrossEncoderReranker(backend=backend)
+@lru_cache(maxsize=8)
+def _default_reranker(backend: str = "auto", name: str = DEFAULT_RERANKER) -> CrossEncoderReranker:
+    return CrossEncoderReranker(PACKAGE_RERANKERS[name], backend=backend)

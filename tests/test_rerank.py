@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from certrag.rerank import PACKAGE_RERANKER, CrossEncoderReranker  # noqa: E402
+from certrag.rerank import PACKAGE_RERANKER, PACKAGE_RERANKERS, CrossEncoderReranker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -20,30 +20,61 @@ def reranker32():
     return CrossEncoderReranker.default("float32")
 
 
-def _hf_cross_scores(questions, passages):
+def _hf_cross_scores(questions, passages, folder=PACKAGE_RERANKER):
     """Independent path: the Hugging Face tokenizer and model classes on the same files, one padded batch."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(PACKAGE_RERANKER), local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(str(PACKAGE_RERANKER), local_files_only=True,
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(str(folder), local_files_only=True,
                                                                dtype=torch.float32).eval()
     with torch.inference_mode():
         enc = tok(questions, passages, return_tensors="pt", padding=True, truncation="only_second", max_length=256)
         return model(**enc).logits[:, 0].numpy()
 
 
-def test_shipped_model_is_small_half_precision_with_a_card(reranker):
-    weights = PACKAGE_RERANKER / "model.safetensors"
+def test_the_shipped_reranker_loads_once_per_process_and_backend():
+    assert CrossEncoderReranker.default() is CrossEncoderReranker.default("auto")
+    assert CrossEncoderReranker.default("float32") is CrossEncoderReranker.default("float32")
+    assert CrossEncoderReranker.default("float32") is not CrossEncoderReranker.default("bfloat16")
+
+
+@pytest.mark.parametrize("name", list(PACKAGE_RERANKERS))
+def test_shipped_model_is_small_half_precision_with_a_card(name):
+    folder = PACKAGE_RERANKERS[name]
+    weights = folder / "model.safetensors"
     assert weights.stat().st_size < 50e6
     from safetensors import safe_open
 
     with safe_open(str(weights), "np") as f:
         assert all(f.get_tensor(k).dtype == np.float16 for k in list(f.keys())[:5])
-    card = json.loads((PACKAGE_RERANKER / "card.json").read_text())
+    card = json.loads((folder / "card.json").read_text())
     for key in ("data", "training", "held_out", "dense_weight", "remake"):
         assert key in card
-    assert "train split" in card["data"]["source"]
-    assert np.isfinite(reranker.dense_weight)
+    assert card["name"] == name and "train split" in card["data"]["source"]
+    assert card["held_out"]["mrr10_reranker"] > card["held_out"]["mrr10_bi_encoder"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_hidden_layers"] == card.get("layers", 6)
+    assert np.isfinite(CrossEncoderReranker.default("float32", name).dense_weight)
+
+
+def test_the_distilled_reranker_scores_as_the_model_classes_do_and_engines_choose_it_by_name(tmp_path):
+    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.engine import Engine
+
+    name = "certrag-minilm-l3-cross-encoder"
+    small = CrossEncoderReranker.default("float32", name)
+    questions, passages = _mixed_length_pairs()
+    np.testing.assert_allclose(small.cross_scores(questions, passages),
+                               _hf_cross_scores(questions, passages, PACKAGE_RERANKERS[name]), rtol=1e-4, atol=2e-4)
+    with pytest.raises(ValueError, match="reranker must be one of"):
+        EngineConfig(reranker="ms-marco-MiniLM")
+    docs = [{"id": f"d{i}", "text": p} for i, p in enumerate(passages)]
+    config = EngineConfig(chunker="fixed_sentence", encoder_backend="float32", reranker=name,
+                          retrieval=RetrievalConfig(candidates=4))
+    with Engine.build(docs, tmp_path / "s", config, progress=False) as engine:
+        assert engine._reranker is small and engine.info()["models"]["reranker"] == name
+    with Engine.open(tmp_path / "s", read_only=True) as engine:  # the store's config names it
+        assert engine._reranker is small
 
 
 def test_fused_score_is_cross_encoder_plus_weighted_dense(reranker32):
@@ -96,7 +127,8 @@ def test_reduced_precision_backends_track_float32_or_fall_back(backend):
     assert set(np.argsort(-got)[:3]) & set(top)
 
 
-def test_reranker_does_not_rank_worse_than_the_bi_encoder_on_unseen_questions(reranker):
+@pytest.mark.parametrize("name", list(PACKAGE_RERANKERS))
+def test_reranker_does_not_rank_worse_than_the_bi_encoder_on_unseen_questions(name):
     from certrag.embed import Embedder
     from certrag.data.corpora import wiki_leads
     from certrag.data.nq import load_nq_open, passage_text
@@ -115,7 +147,25 @@ def test_reranker_does_not_rank_worse_than_the_bi_encoder_on_unseen_questions(re
             top[-1] = gold
         d = scores[top].astype(np.float32)
         dense_lists.append(d)
-        fused_lists.append(reranker.score(it.question, [corpus[i] for i in top], d))
+        fused_lists.append(CrossEncoderReranker.default("auto", name).score(it.question, [corpus[i] for i in top], d))
         golds.append(top.index(gold))
     dense_mrr, fused_mrr = mrr_at_10(dense_lists, golds), mrr_at_10(fused_lists, golds)
     assert fused_mrr >= dense_mrr - 0.03, (fused_mrr, dense_mrr)
+
+
+def test_a_distilled_reranker_keeps_evenly_spaced_layers_ending_with_the_last():
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+    from certrag.train.reranker import kept_layers
+
+    assert kept_layers(6, 3) == [1, 3, 5] and kept_layers(6, 2) == [2, 5] and kept_layers(6, 1) == [5]
+    assert kept_layers(6, 6) == list(range(6)) and kept_layers(12, 4) == [2, 5, 8, 11]
+    for total in range(1, 13):
+        for keep in range(1, total + 1):
+            got = kept_layers(total, keep)
+            assert got == sorted(set(got)) and len(got) == keep and got[-1] == total - 1 and got[0] >= 0
+    with pytest.raises(ValueError, match="keep"):
+        kept_layers(6, 7)
+    res = CliRunner().invoke(main, ["train-reranker", "--layers", "0", "--out", "unused"])
+    assert res.exit_code != 0 and "--layers" in res.output
