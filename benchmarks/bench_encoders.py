@@ -18,6 +18,10 @@ sentences in bulk and one question; retrieve() end to end on the 12.7k-chunk sto
 reduced-precision backend the CPU runs natively (the default marked) and the default with adaptive reranking;
 indexing MB/min with SAGE on a sample of bench_scale's corpus, today's path against each of those backends.
 
+A smaller reranker (--student DIR, e.g. one distilled by `certrag train-reranker --teacher certrag/reranker --layers
+3`) gets its own rows: its MRR@10 and R@1 on the same candidates against the shipped reranker's float32 (same
+bounds), its reranking latency and its `retrieve` path on each store.
+
     python benchmarks/bench_encoders.py --part quality        # ~40 min on 2 cores
     python benchmarks/bench_encoders.py --part speed          # ~15 min, alone
 """
@@ -253,10 +257,37 @@ def quality(backends: list[str], limit: int, threads: int, partial: dict, save: 
     return rows
 
 
+def student_quality(student: Path, backends: list[str], limit: int, partial: dict, save: bool = True) -> dict:
+    """MRR@10 and R@1 of a smaller reranker over the same test candidates as the backends' rows."""
+    import numpy as np
+
+    from certrag.rerank import CrossEncoderReranker
+    from certrag.train.skip_rule import reciprocal_rank
+
+    engine, _, _, cands = _test_candidates(limit)
+    engine.close()
+    rows = partial.setdefault("student_quality", {})
+    for b in backends:
+        t0 = time.perf_counter()
+        rr = CrossEncoderReranker(student, backend=b)
+        fused = [rr.cross_scores([q] * len(texts), texts) + rr.dense_weight * dense for q, texts, dense, _ in cands]
+        key = f"{rr.name} {b}"
+        rows[key] = {"reranker": rr.name, "layers": rr.card.get("layers"), "dir": str(student), "backend": b,
+                     "questions": len(cands),
+                     "mrr10": float(np.mean([reciprocal_rank(f, g) for f, (*_, g) in zip(fused, cands)])),
+                     "r1": float(np.mean([g >= 0 and int(np.argmax(f)) == g for f, (*_, g) in zip(fused, cands)])),
+                     "seconds": time.perf_counter() - t0, "measured": _common.meta()}
+        print(f"{key}: MRR@10 {rows[key]['mrr10']:.4f} R@1 {rows[key]['r1']:.4f}", file=sys.stderr)
+        if save:
+            _save(partial)
+    return rows
+
+
 # -------------------------------------------------------------------------------------------------------- speed
 
 
-def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, scale_store: bool) -> dict:
+def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, scale_store: bool,
+          student: Path | None = None) -> dict:
     import numpy as np
 
     from certrag.config import EngineConfig, RetrievalConfig
@@ -278,6 +309,9 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
     out = {"rerank": [], "embed": [], "retrieve": [], "indexing": []}
     rerankers = {b: make_reranker(b, threads) for b in backends}
     rerankers[f"default, {SERIAL}"] = _serial(CrossEncoderReranker())
+    if student is not None:
+        small = CrossEncoderReranker(student)
+        rerankers[f"{small.backend.backend}, {small.name} ({small.card.get('layers')} layers)"] = small
     rerankers["float32, padded (today)"] = CrossEncoderReranker(backend="float32", batch_size=32, pad_grid=0)
     names = list(rerankers)
     for label, pool in (("12.7k store passages", cand), ("32-token chunks", short)):
@@ -319,7 +353,7 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
         print(f"embed {n}: {out['embed'][-1]}", file=sys.stderr)
 
     # retrieve() end to end: the engine's Retriever over the store view, as engine.retrieve runs
-    out["retrieve"] += compare_paths(engine, questions, "NQ store")
+    out["retrieve"] += compare_paths(engine, questions, "NQ store", student)
     engine.close()
     if scale_store:
         from bench_scale import small_chunk_config
@@ -336,7 +370,7 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
         if big is None:
             print("building bench_scale's store of short chunks (once)", file=sys.stderr)
             big = Engine.build(corpus, store, small_chunk_config(), embedder=Embedder(), overwrite=True)
-        out["retrieve"] += compare_paths(big, questions, "bench_scale store (32-token chunks)")
+        out["retrieve"] += compare_paths(big, questions, "bench_scale store (32-token chunks)", student)
         big.close()
 
     # indexing with SAGE on an evenly spaced sample of bench_scale's corpus, no embedding cache
@@ -416,9 +450,10 @@ def _retrieve_backends() -> dict[str, tuple[str, str]]:
     return paths
 
 
-def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
-    """retrieve() p50 for today's path (float32, a call's pairs padded to the longest), the default path and the
-    default with adaptive reranking, interleaved question by question on one store."""
+def compare_paths(engine, questions: list[str], label: str, student: Path | None = None) -> list[dict]:
+    """retrieve() p50 for today's path (float32, a call's pairs padded to the longest), the default path, the
+    default with adaptive reranking and, given one, the default with a smaller reranker, interleaved question by
+    question on one store."""
     import numpy as np
 
     from certrag.config import RetrievalConfig
@@ -443,6 +478,10 @@ def compare_paths(engine, questions: list[str], label: str) -> list[dict]:
         paths["default + adaptive reranking"] = Retriever(
             Embedder(memo_size=0), CrossEncoderReranker(),
             cfg.replace(retrieval=RetrievalConfig(candidates=cand, adaptive_rerank=True)))
+    if student is not None:
+        small = CrossEncoderReranker(student)
+        paths[f"default, reranker {small.name} ({small.card.get('layers')} layers)"] = Retriever(
+            Embedder(memo_size=0), small, cfg.replace(retrieval=RetrievalConfig(candidates=cand)))
     lat = {n: [] for n in paths}
     stage_ms = {n: {k: [] for k in ("embed_ms", "search_ms", "rerank_ms", "select_ms")} for n in paths}
     skipped = {n: 0 for n in paths}
@@ -518,6 +557,15 @@ def report(partial: dict, meta: dict) -> str:
                 f"{a['skip_rate']:.1%} of questions at MRR@10 {a['mrr_adaptive']:.4f} against {a['mrr_reranked']:.4f} "
                 f"always reranked (drop {a['mrr_drop']:+.4f}; bound 0.002: "
                 f"{'met' if a['mrr_drop'] <= 0.002 else 'NOT met'}); the bi-encoder alone: {a['mrr_dense']:.4f}.")
+    if ref and partial.get("student_quality"):
+        rows = [[k, r["layers"], r["mrr10"], r["mrr10"] - ref["mrr10"], r["r1"], r["r1"] - ref["r1"],
+                 "yes" if r["mrr10"] - ref["mrr10"] >= -0.003 and r["r1"] - ref["r1"] >= -0.003 else "NO"]
+                for k, r in partial["student_quality"].items()]
+        lines += ["\nA smaller reranker (distilled from the shipped one; `certrag train-reranker --teacher`), on the "
+                  "same candidates, against the shipped reranker in float32 (bounds: MRR@10 and R@1 at most 0.003 "
+                  "below; another model may also rank better):\n",
+                  _common.markdown_table(["reranker and backend", "layers", "MRR@10", "diff", "R@1", "diff",
+                                          "within bounds"], rows)]
     if s.get("rerank"):
         lines += ["\nReranking latency per backend, one question's 20 candidates (median):\n",
                   _common.markdown_table(["backend", "candidates", "p50 ms", "speed-up vs today"],
@@ -557,6 +605,9 @@ def main() -> None:
     p.add_argument("--scale-store", action="store_true",
                    help="also compare retrieve() on bench_scale's >= 100k-chunk store (built once if missing)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--student", type=Path, default=None,
+                   help="a smaller reranker folder to measure beside the shipped one (quality: float32 and the "
+                        "native default backend; speed: its rerank and retrieve rows)")
     p.add_argument("--fresh", action="store_true", help="forget the partial results of earlier runs")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
@@ -566,11 +617,19 @@ def main() -> None:
     if unknown:
         p.error(f"--backends: unknown {sorted(unknown)}; choose from {', '.join(ALL)}")
     partial = {} if args.fresh or not PARTIAL.exists() else json.loads(PARTIAL.read_text())
+    if args.student is not None and not (args.student / "config.json").exists():
+        p.error(f"--student: no reranker at {args.student}")
     if args.part == "quality":
         quality(backends, args.questions, args.threads, partial, save=not args.no_write)
+        if args.student is not None:
+            from certrag.backends import resolve
+
+            student_quality(args.student, sorted({"float32", resolve("auto").backend}), args.questions, partial,
+                            save=not args.no_write)
         partial.setdefault("meta", {})["quality"] = _common.meta()
     elif args.part == "speed":
-        partial["speed"] = speed(backends, args.threads, args.speed_questions, args.index_docs, args.scale_store)
+        partial["speed"] = speed(backends, args.threads, args.speed_questions, args.index_docs, args.scale_store,
+                                 args.student)
         partial.setdefault("meta", {})["speed"] = _common.meta()
     if not args.no_write:
         _save(partial)
@@ -579,7 +638,7 @@ def main() -> None:
     text = report(partial, meta)
     if "quality" in metas and "speed" in metas:
         runs: dict[tuple, list[str]] = {}  # each quality row says which run measured it (runs keep earlier rows)
-        for b, row in partial.get("quality", {}).items():
+        for b, row in [*partial.get("quality", {}).items(), *partial.get("student_quality", {}).items()]:
             m = row.get("measured", metas["quality"])
             runs.setdefault((m["commit"], m["date"], m["command"]), []).append(b)
         text = text.replace(_common.footer(meta), "") + (
