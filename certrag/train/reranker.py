@@ -137,6 +137,9 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         with torch.no_grad():
             model.classifier.weight.zero_()
             model.classifier.bias.zero_()
+    total_layers = len(model.bert.encoder.layer)
+    if layers is not None and layers > total_layers:  # said before the teacher's scores take minutes
+        raise ValueError(f"layers must be at most the model's {total_layers}; got {layers}")
     w = torch.nn.Parameter(torch.tensor(float(dense_weight)))
     tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
     tokenizer.enable_truncation(max_length, strategy="only_second")
@@ -157,13 +160,10 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                        for q, passages, dscores in tqdm(groups, desc="the teacher's scores", unit="group",
                                                         disable=not progress)]
         model.train()
-    total_layers = len(model.bert.encoder.layer)
     if layers is not None and layers < total_layers:
         kept = kept_layers(total_layers, layers)
         model.bert.encoder.layer = torch.nn.ModuleList([model.bert.encoder.layer[i] for i in kept])
         model.config.num_hidden_layers = layers
-    elif layers is not None and layers > total_layers:
-        raise ValueError(f"layers must be at most the model's {total_layers}; got {layers}")
 
     def evaluate() -> tuple[float, float]:
         model.eval()
