@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from certrag.rerank import DEFAULT_RERANKER, check_reranker
 from certrag.segment import CHUNKERS, SegmenterConfig
 from certrag.select import SELECTORS, Selector
 
@@ -111,7 +112,7 @@ class EngineConfig:
     encoder_backend: str = "auto"
     # which shipped cross-encoder reranks (certrag.rerank.PACKAGE_RERANKERS): the default, or the one distilled to
     # 3 layers (half the cost per pair; its quality against the default's is in benchmarks/RESULTS.md)
-    reranker: str = "certrag-minilm-cross-encoder"
+    reranker: str = DEFAULT_RERANKER
     index: IndexConfig = field(default_factory=IndexConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
@@ -122,8 +123,6 @@ class EngineConfig:
         from certrag.backends import check_backend
 
         check_backend(self.encoder_backend, "encoder_backend")
-        from certrag.rerank import check_reranker
-
         check_reranker(self.reranker, "reranker")
 
     def to_dict(self) -> dict:

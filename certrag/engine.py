@@ -413,7 +413,7 @@ class Engine:
     def reranker_backend(self) -> str | None:
         """The numeric backend the reranker runs in (float32, bfloat16, int8); None without a reranker, or when it
         does not say."""
-        described = getattr(getattr(self._reranker, "backend", None), "as_dict", lambda: None)()
+        described = _backend_of(self._reranker)
         return described.get("backend") if isinstance(described, dict) else None
 
     @property

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from certrag.data.splits import stable_fraction
+from certrag.rerank import DEFAULT_RERANKER
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         remake = (f"certrag train-reranker --out {out} --teacher {teacher} --layers {n_layers} --epochs {epochs} "
                   f"--negatives {negatives} --lr {lr} --evals-per-epoch {evals_per_epoch} --seed {seed}")
     card = {
-        "name": "certrag-minilm-cross-encoder" if teacher is None and kept is None
+        "name": DEFAULT_RERANKER if teacher is None and kept is None
         else f"certrag-minilm-l{n_layers}-cross-encoder",
         "kind": "cross-encoder reranker fused with the dense score: ce(q, p) + dense_weight * cos(q, p)",
         "base_model": origin,
