@@ -106,19 +106,100 @@ def resolve(requested: str = "auto", features: frozenset[str] | None = None) -> 
 
 
 def prepare(model, backend: str):
-    """The model converted for `backend` (float32 | bfloat16 | int8), in eval mode (int8: its Linears replaced)."""
+    """The model converted for `backend` (float32 | bfloat16 | int8), in eval mode, its Linears replaced by ones
+    whose every row's numbers do not depend on the rest of the batch (float32, bfloat16: per_text_linears; int8:
+    certrag.quantize)."""
     import torch
 
     model = model.eval()
     if backend == "float32":
-        return model.float()
+        return per_text_linears(model.float())
     if backend == "bfloat16":
-        return model.to(torch.bfloat16)
+        return per_text_linears(model.to(torch.bfloat16))
     if backend == "int8":
         from certrag.quantize import rowwise_int8
 
         return rowwise_int8(model.float(), reduce_range="vnni" not in cpu_features())
     raise ValueError(f"backend must be float32, bfloat16 or int8; got {backend!r}")
+
+
+_ALIGN = 64  # bytes: torch's CPU allocator aligns every tensor to this
+
+
+@functools.lru_cache(maxsize=1)
+def _per_text_linear_class():
+    import torch
+
+    class PerTextLinear(torch.nn.Module):
+        """y = x W^T + b, one GEMM per text (the input's first dimension), on that text's rows alone.
+
+        A BLAS picks its kernel, blocking and order of summation by the shape of the whole call (MKL on an Intel
+        Xeon with AVX512_FP16 sums a row's products in another order when the call has more rows, so a text's float32
+        embedding moved at 1e-7 with its batch companions; oneDNN's bfloat16 kernels choose by shape too). One call
+        per text, its operands 64-byte aligned as a text alone would have them, gives every text the very call it
+        gets alone: its numbers are a function of its own tokens (and padded width) whatever the batch, by
+        construction rather than by what one CPU's library happens to do. The weights stay read from the cache
+        between the calls of one layer (each call is one text's width x in_features)."""
+
+        def __init__(self, linear: "torch.nn.Linear") -> None:
+            super().__init__()
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+            self.weight = linear.weight
+            self.bias = linear.bias
+            self._packed = _onednn_packed(linear.weight)
+
+        def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+            if x.dim() < 2:
+                return torch.nn.functional.linear(x, self.weight, self.bias)
+            wt = self.weight.t()
+            rows = []
+            for b in range(x.shape[0]):
+                xb = x[b].reshape(-1, self.in_features)
+                if not xb.is_contiguous() or xb.data_ptr() % _ALIGN:
+                    xb = xb.clone(memory_format=torch.contiguous_format)
+                if self._packed is not None:
+                    rows.append(torch.ops.mkldnn._linear_pointwise(xb, self._packed, self.bias, "none", [], ""))
+                else:
+                    rows.append(torch.mm(xb, wt) if self.bias is None else torch.addmm(self.bias, xb, wt))
+            return torch.stack(rows).reshape(*x.shape[:-1], self.out_features)
+
+        def extra_repr(self) -> str:
+            return f"in_features={self.in_features}, out_features={self.out_features}, one GEMM per text"
+
+    return PerTextLinear
+
+
+def _onednn_packed(weight):
+    """bfloat16 weights reordered once into oneDNN's blocked layout, or None (float32, or a torch without the op).
+
+    oneDNN otherwise reorders a bfloat16 weight on every call; with one call per text that cost was a third of a
+    short sentence's GEMM (measured: 64 texts of 16 tokens through a 384 x 1536 layer, 10.1 ms against 7.9 packed;
+    one batched call 6.3). The packed and the plain call give the same numbers (the same kernel)."""
+    import torch
+
+    if weight.dtype != torch.bfloat16:
+        return None
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+            probe = torch.ones(2, weight.shape[1], dtype=torch.bfloat16)
+            torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        return packed
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+
+
+def per_text_linears(module):
+    """`module` with every torch.nn.Linear replaced, in place, by a PerTextLinear over the same parameters."""
+    import torch
+
+    cls = _per_text_linear_class()
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Linear):
+            setattr(module, name, cls(child))
+        else:
+            per_text_linears(child)
+    return module
 
 
 def grid_width(length: int, grid: int) -> int:
@@ -179,7 +260,7 @@ def padded(encodings: list, rows: np.ndarray, pad_id: int = 0, grid: int = 0) ->
 # ------------------------------------------------------------------------------------- passes side by side
 
 MAX_PASSES = 8
-MIN_PASS_TOKENS = 256  # a call of fewer padded tokens runs as one pass: handing it out would cost more than it saves
+MIN_PASS_TOKENS = 256  # a call of fewer padded tokens runs as one pass (on one worker): cutting it costs more than it saves
 
 
 class _PassPool:
@@ -262,20 +343,27 @@ def passes(torch, lengths: Sequence[int], batch_size: int, grid: int, run: Calla
     With several torch threads the call's rows are batched for that many passes and the passes run side by side,
     one torch thread each, on a shared pool, instead of one pass after another on all threads: the encoders'
     matrices are small, and one pass on two threads spends much of its time waiting at the synchronisation of each
-    operation (20 reranked NQ passages on 2 cores: 227 against 358 ms; benchmarks/bench_encoders.py). A row's
-    numbers do not depend on its batch (the grid), so the results are the ones of a single pass; run must write
-    disjoint rows only. grid 0 (rows padded to their batch's longest), max_passes 1, or a call of fewer than
-    MIN_PASS_TOKENS padded tokens keeps one pass after another on all threads."""
+    operation (20 reranked NQ passages on 2 cores: 227 against 358 ms; benchmarks/bench_encoders.py); run must
+    write disjoint rows only.
+
+    A row's numbers do not depend on its batch: every pass runs on one torch thread (a pool worker, or the caller
+    when its torch has one thread), so a BLAS never splits a product across threads differently for a larger call;
+    the grid gives a row the same padded width in any batch; and the prepared models compute each text with calls of
+    its own (certrag.backends.prepare). A call of fewer than MIN_PASS_TOKENS padded tokens is one pass, on one
+    worker. grid 0 (rows padded to their batch's longest) or max_passes 1 keep one pass after another on all the
+    caller's threads, without that promise."""
     from concurrent.futures import wait
 
     widths = [grid_width(n, grid) for n in lengths]
-    threads = max(1, min(torch.get_num_threads(), max_passes, MAX_PASSES, len(lengths))) if grid > 0 else 1
+    invariant = grid > 0 and max_passes > 1
+    threads = max(1, min(torch.get_num_threads(), max_passes, MAX_PASSES, len(lengths))) if invariant else 1
+    here = not invariant or torch.get_num_threads() == 1
     if threads > 1 and sum(widths) < MIN_PASS_TOKENS:
         threads = 1
     if threads > 1:
         batch_size = min(batch_size, -(-len(lengths) // threads))  # at least one batch per thread
     batches = list(length_batches(lengths, batch_size, grid, max_tokens))
-    if threads == 1 or len(batches) == 1:
+    if here:
         with torch.inference_mode():
             for rows in batches:
                 run(rows)

@@ -200,9 +200,11 @@ def _open_engine(store: Path, read_only: bool):
                    "address, that cluster ('auto': the one this machine belongs to).")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Ray workers (actors), each loading the models once (with --ray).")
+@click.option("--force", is_flag=True,
+              help="Build a new store in a folder that holds other files (they are left as they are).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON.")
 def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None, shards: int | None,
-          reranker: str | None, ray_address: str | None, workers: int, as_json: bool) -> None:
+          reranker: str | None, ray_address: str | None, workers: int, force: bool, as_json: bool) -> None:
     """Index SRC (files, folders of .txt/.md, JSONL or Parquet with id, text, metadata) into a store: creates it,
     or adds to it when it exists."""
     from certrag.config import EngineConfig
@@ -225,13 +227,14 @@ def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker:
         if ray_address is not None:
             from certrag.scale.indexing import index_on_ray
 
-            with index_on_ray(list(src), store, config, address=ray_address, workers=workers) as engine:
+            with index_on_ray(list(src), store, config, address=ray_address, workers=workers,
+                              force=force) as engine:
                 report = engine.last_report
         elif config is None:
             with _open_engine(store, read_only=False) as engine:
                 report = engine.add(list(src))
         else:
-            with Engine.build(list(src), store, config) as engine:
+            with Engine.build(list(src), store, config, force=force) as engine:
                 report = engine.last_report
     except (StoreError, ValueError, FileNotFoundError, ImportError) as exc:
         raise click.ClickException(str(exc)) from None

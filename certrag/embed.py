@@ -132,6 +132,9 @@ class Embedder:
     every distinct string once, and the last ``memo_size`` distinct texts are remembered in memory (a chunk that is
     one sentence reuses the sentence's vector; repeated boilerplate and repeated questions are embedded once).
 
+    A text's vector is a function of the text alone, bit for bit, whatever it is batched with (certrag.backends:
+    one torch thread per pass, the padding grid, and a GEMM call per text).
+
     Thread-safe: the forward passes are serialised by a lock (torch parallelises each batch itself).
     """
 
@@ -256,9 +259,9 @@ class Embedder:
             feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, self._pad_id, self.pad_grid).items()}
             feed["token_type_ids"].zero_()
             hidden = self._model(**feed).last_hidden_state.float()
-            m = feed["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            out[rows] = torch.nn.functional.normalize(pooled, p=2, dim=1).numpy()
+            for r, i in enumerate(rows):  # each text's mean over its own tokens: no reduction spans the batch
+                pooled = hidden[r, :len(enc[i].ids)].mean(0)
+                out[i] = (pooled / pooled.norm().clamp(min=1e-12)).numpy()
 
         with self._lock:
             previous = torch.get_num_threads()

@@ -26,7 +26,7 @@ from certrag.documents import Document, load_documents
 from certrag.index import HnswIndex
 from certrag.retrieval import Retrieval, Retriever, StoreView, check_questions
 from certrag.shards import ShardedIndex
-from certrag.store import StoreData, StoreError, StoreLock, read_store, write_store
+from certrag.store import StoreData, StoreError, StoreLock, foreign_entries, read_store, write_store
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +79,21 @@ class Engine:
 
     @classmethod
     def build(cls, documents: object, path: str | Path, config: EngineConfig | None = None, *,
-              embedder=None, reranker=None, overwrite: bool = False, progress: bool = True) -> "Engine":
+              embedder=None, reranker=None, overwrite: bool = False, force: bool = False,
+              progress: bool = True) -> "Engine":
         """Indexes documents into a new store at path and returns the open engine. On any error nothing is left
-        behind: a folder this call made is removed, and a store being overwritten keeps its current version."""
+        behind: a folder this call made is removed, and a store being overwritten keeps its current version.
+
+        path must be new, an empty folder or a store (overwrite=True to replace it). A folder that holds other
+        things is refused unless force=True, which builds the store beside them; a store deletes only what it
+        wrote itself (certrag.store.write_store), so nothing else in the folder is touched either way."""
         docs = load_documents(documents)
-        return cls._create(path, config, embedder=embedder, reranker=reranker, overwrite=overwrite,
+        return cls._create(path, config, embedder=embedder, reranker=reranker, overwrite=overwrite, force=force,
                            fill=lambda engine: engine._ingest(docs, progress))
 
     @classmethod
     def _create(cls, path: str | Path, config: EngineConfig | None, *, embedder, reranker, overwrite: bool,
-                fill) -> "Engine":
+                fill, force: bool = False) -> "Engine":
         """A new store at path, holding what fill(engine) ingests into the empty engine (written once, at the end;
         certrag.scale.indexing fills it from a Ray Data job)."""
         import shutil
@@ -100,6 +105,12 @@ class Engine:
                              "overwrite=True")
         if path.exists() and not path.is_dir():
             raise StoreError(f"{path} exists and is not a folder")
+        if not (path / "CURRENT").exists() and not force:
+            other = foreign_entries(path)
+            if other:
+                shown = ", ".join(other[:5]) + (f" and {len(other) - 5} more" if len(other) > 5 else "")
+                raise StoreError(f"{path} is not empty ({shown}) and holds no store: a store is built in a new or "
+                                 "empty folder; pass force=True (certrag index --force) to build it beside them")
         made = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
         try:

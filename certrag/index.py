@@ -34,8 +34,8 @@ _INT32_MAX = 2**31 - 1
 class SearchResult:
     """Results of a batched search, best first in each row.
 
-    ids: int64 array (n, k); -1 where fewer than k vectors were found.
-    scores: float32 array (n, k); higher is better; -inf where ids is -1.
+    ids: int64 array (n, min(k, live vectors)); -1 where the search found fewer (rare: a graph with many deletions).
+    scores: float32 array of the same shape; higher is better; -inf where ids is -1.
     """
 
     ids: np.ndarray
@@ -161,7 +161,8 @@ class HnswIndex:
         return ids_arr
 
     def search(self, queries: object, k: int, ef: int | None = None, num_threads: int = 0) -> SearchResult:
-        """Returns the k best ids and scores for each query row (a 1-d query counts as one row).
+        """Returns the k best ids and scores for each query row (a 1-d query counts as one row): min(k, len(self))
+        columns, so a k above the index's size costs nothing.
 
         ef is the breadth of the search (default max(k, 64)); larger is slower and more exact.
         """
@@ -214,4 +215,6 @@ class HnswIndex:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"no index file at {path}")
+        if not os.path.isfile(path):  # a folder, a FIFO or a device: refused before anything opens it
+            raise IndexFormatError(f"{path} is not a regular file")
         return cls(0, _native=_core.HnswIndex.load(path, bool(mmap)))

@@ -43,15 +43,12 @@ def check_shards(n: object, name: str = "shards") -> int:
 
 def merge_top_k(parts: Sequence[tuple[np.ndarray, np.ndarray]], k: int) -> SearchResult:
     """The k best (id, score) of each query row over the shards' answers (each (n, k_i) ids and scores, best
-    first, -1 / -inf padding). Ties keep the lower shard first, so a merge is deterministic."""
+    first, -1 / -inf padding): min(k, sum k_i) columns, as HnswIndex.search sizes its own. Ties keep the lower shard
+    first, so a merge is deterministic."""
     ids = np.concatenate([p[0] for p in parts], axis=1)
     scores = np.concatenate([p[1] for p in parts], axis=1)
     order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     ids, scores = np.take_along_axis(ids, order, axis=1), np.take_along_axis(scores, order, axis=1)
-    if ids.shape[1] < k:  # fewer vectors than k in all shards together: pad as HnswIndex does
-        pad = k - ids.shape[1]
-        ids = np.concatenate([ids, np.full((ids.shape[0], pad), -1, np.int64)], axis=1)
-        scores = np.concatenate([scores, np.full((ids.shape[0], pad), -np.inf, np.float32)], axis=1)
     return SearchResult(ids=np.ascontiguousarray(ids), scores=np.ascontiguousarray(scores, dtype=np.float32))
 
 

@@ -146,15 +146,77 @@ def current_version(root: Path) -> Path:
     return version
 
 
+_VERSION = re.compile(r"v([0-9]{6})")
+_LEFTOVER = re.compile(r"\.tmp-v[0-9]{6}-([0-9]+)|\.CURRENT\.tmp-([0-9]+)-[0-9]+|\..+\.tmp-([0-9]+)-[0-9]+")
+
+
+def _leftover_pid(name: str) -> int | None:
+    """The writer's pid in a name only a write of this store makes (a version folder being built,
+    .tmp-v000007-PID; CURRENT's or another file's temporary copy, .CURRENT.tmp-PID-TID, .NAME.tmp-PID-TID)."""
+    m = _LEFTOVER.fullmatch(name)
+    return None if m is None else int(next(g for g in m.groups() if g is not None))
+
+
+def is_leftover(name: str) -> bool:
+    return _leftover_pid(name) is not None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """What a folder without CURRENT holds that is not the store's own: anything but its lock and a killed write's
+    leftovers. A store is built only into a new or empty folder, so that nothing of a user's is ever mixed in."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.name != ".lock" and not is_leftover(p.name))
+
+
+def _versions(root: Path) -> list[str]:
+    """The store's version folders: named as write_store names them and holding a certrag manifest."""
+    found = []
+    for p in root.iterdir():
+        if _VERSION.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            try:
+                manifest = json.loads((p / "manifest.json").read_bytes())
+            except (OSError, ValueError):
+                continue
+            if isinstance(manifest, dict) and manifest.get("format") == "certrag-store":
+                found.append(p.name)
+    return sorted(found)
+
+
+def _clean_leftovers(root: Path) -> None:
+    """Removes what killed writes left behind: temporary names of writers that are no longer running."""
+    for p in root.iterdir():
+        pid = _leftover_pid(p.name)
+        if pid is None or (pid != os.getpid() and _alive(pid)):
+            continue
+        if pid == os.getpid() and p.name.startswith(".") and not p.name.startswith((".tmp-v", ".CURRENT.tmp-")):
+            continue  # another thread of this process may be writing that file now
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 def write_store(root: Path, data: StoreData) -> Path:
-    """Writes data as a new version of the store at root and makes it current."""
+    """Writes data as a new version of the store at root and makes it current. Afterwards the versions it replaced
+    are deleted: folders named as versions (v000007) that hold a certrag manifest, never anything else."""
     from safetensors.numpy import save
 
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-v*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    existing = sorted(p.name for p in root.glob("v[0-9]*") if p.is_dir())
-    number = int(existing[-1][1:7]) + 1 if existing else 1
+    _clean_leftovers(root)
+    existing = _versions(root)
+    taken = [int(m.group(1)) for p in root.iterdir() if (m := _VERSION.fullmatch(p.name))]
+    number = max(taken) + 1 if taken else 1
     name = f"v{number:06d}"
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
@@ -224,6 +286,60 @@ def read_store(root: Path, *, verify: bool = True, mmap: bool = False, attempts:
 
 class _VersionGone(Exception):
     """A file of the version being read vanished (a writer replaced the version meanwhile)."""
+
+
+MAX_CHUNK_ID = 2**63 - 1
+_CHUNK_FIELDS = {"id": int, "doc_id": str, "start": int, "end": int, "n_tokens": int, "text": str}
+INDEX_SAMPLE = 64  # vectors of the index compared with embeddings.safetensors on open
+
+
+def _check_rows(root: Path, chunks: list, documents: dict) -> None:
+    """Every chunk and document row has the fields the engine reads, of their types, and they agree: a hand-edited
+    or crafted file raises StoreError naming the field, never a KeyError or TypeError later."""
+    def bad(where: str, what: str) -> StoreError:
+        return StoreError(f"{root}: {where} {what}: the store is damaged")
+
+    for n, c in enumerate(chunks, 1):
+        if not isinstance(c, dict):
+            raise bad(f"chunks.jsonl line {n}", "is not an object")
+        for name, kind in _CHUNK_FIELDS.items():
+            v = c.get(name)
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise bad(f"chunks.jsonl line {n}", f"has no {kind.__name__} {name!r}")
+        if c["doc_id"] not in documents:
+            raise bad(f"chunks.jsonl line {n}", f"names document {c['doc_id']!r}, which documents.jsonl lacks")
+    owner = {c["id"]: c["doc_id"] for c in chunks}
+    for doc_id, d in documents.items():
+        if not isinstance(doc_id, str):
+            raise bad("documents.jsonl", f"has a document whose id is not a string ({doc_id!r})")
+        if not isinstance(d, dict):
+            raise bad(f"document {doc_id!r}", "is not an object")
+        cids = d.get("chunk_ids")
+        if not isinstance(cids, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in cids):
+            raise bad(f"document {doc_id!r}", "has no list of integer 'chunk_ids'")
+        if any(owner.get(i) != doc_id for i in cids):
+            raise bad(f"document {doc_id!r}", "lists chunk ids that are not its chunks in chunks.jsonl")
+        if d.get("metadata") is not None and not isinstance(d["metadata"], dict):
+            raise bad(f"document {doc_id!r}", "has 'metadata' that is not an object")
+    if sum(len(d["chunk_ids"]) for d in documents.values()) != len(chunks):
+        raise StoreError(f"{root}: documents.jsonl and chunks.jsonl disagree on the chunks: the store is damaged")
+
+
+def _check_index(root: Path, index, ids: np.ndarray, vectors: np.ndarray) -> None:
+    """The index holds exactly the embeddings' ids, and a sample of its vectors is theirs: an index whose vectors were
+    moved against their ids (checksums recomputed) would return other documents at the same scores."""
+    if not np.array_equal(np.sort(index.ids()), np.sort(ids)):
+        raise StoreError(f"{root}: the index and embeddings.safetensors hold different chunk ids: the store is damaged")
+    if not len(ids):
+        return
+    sample = np.unique(np.linspace(0, len(ids) - 1, min(INDEX_SAMPLE, len(ids))).astype(np.int64))
+    got = index.get_vectors(ids[sample]).astype(np.float64)
+    want = vectors[sample].astype(np.float64)
+    if index.metric == "cosine":
+        want = want / np.maximum(np.linalg.norm(want, axis=1, keepdims=True), 1e-30)
+    if not np.allclose(got, want, rtol=1e-5, atol=1e-6):
+        raise StoreError(f"{root}: the index's vectors do not match embeddings.safetensors for their ids: "
+                         "the store is damaged")
 
 
 def _index_names(root: Path, manifest: dict) -> list[str]:
@@ -301,15 +417,20 @@ def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bo
         next_chunk_id = manifest.get("next_chunk_id", 0)
         if not isinstance(next_chunk_id, int) or isinstance(next_chunk_id, bool):
             raise ValueError(f"next_chunk_id is {next_chunk_id!r}")
-        chunk_ids = [c["id"] for c in chunks]
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, SafetensorError) as exc:
         raise StoreError(f"{root}: damaged store ({exc})") from None
+    _check_rows(root, chunks, documents)
+    chunk_ids = [c["id"] for c in chunks]
     if not (len(chunks) == len(ids) == len(vectors) == (len(index) if index is not None else len(ids))):
         raise StoreError(f"{root}: chunks, embeddings and index disagree on the count")
     if chunk_ids != ids.tolist():
         raise StoreError(f"{root}: chunks and embeddings disagree on the chunk ids")
+    if not 0 <= next_chunk_id <= MAX_CHUNK_ID:
+        raise StoreError(f"{root}: manifest.json's next_chunk_id {next_chunk_id} is outside 0 .. 2**63 - 1")
     if len(ids) and next_chunk_id <= int(ids.max()):
         raise StoreError(f"{root}: next_chunk_id {next_chunk_id} is not above the largest chunk id {int(ids.max())}")
+    if index is not None:
+        _check_index(root, index, ids, vectors)
     return StoreData(config=manifest["config"], models=manifest["models"], chunks=chunks, documents=documents,
                      ids=ids, vectors=vectors, index=index, next_chunk_id=next_chunk_id, manifest=manifest,
                      index_paths=tuple(version / f for f in names))

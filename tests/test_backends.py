@@ -222,6 +222,60 @@ def test_a_rows_result_does_not_depend_on_what_it_is_batched_with(texts):
         np.testing.assert_array_equal(a, b)
 
 
+_GEMMS = ("addmm", "mm", "bmm", "baddbmm", "_linear_pointwise", "linear_dynamic", "_int_mm", "matmul", "linear")
+
+
+def test_no_product_spans_two_texts_and_every_pass_runs_on_one_thread(texts):
+    """Why the invariance above holds on any CPU, checked on this one: a BLAS chooses its kernel and order of
+    summation by a call's shape and thread count (MKL on an AVX512_FP16 Xeon moved float32 rows by 1e-7 when they were
+    batched), so no matrix product may hold rows of two texts, and every forward pass runs on one torch thread,
+    whether the call holds one text or many. Every product the models issue is recorded at the dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from certrag.backends import grid_width
+    from certrag.rerank import CrossEncoderReranker
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name in _GEMMS:
+                a = args[1] if name in ("addmm", "baddbmm") else args[0]
+                self.rows.append(int(np.prod(a.shape[:-1])))
+            return func(*args, **(kwargs or {}))
+
+    before = torch.get_num_threads()
+    try:
+        for backend in ("float32", "auto"):
+            e = Embedder(backend=backend, memo_size=0, batch_size=8)
+            r = CrossEncoderReranker(backend=backend)
+            torch.set_num_threads(1)  # dispatch modes are per thread: record with the passes on this one
+            widths = [grid_width(len(x.ids), e.pad_grid) for x in e._tokenizer.encode_batch(texts[:16])]
+            with Record() as rec:
+                e.embed(texts[:16])
+            assert rec.rows and max(rec.rows) <= max(widths)
+            enc = r._tokenizer.encode_batch([("who founded the city", t) for t in texts[:12]])
+            with Record() as rec:
+                r.cross_scores(["who founded the city"] * 12, texts[:12])
+            assert rec.rows and max(rec.rows) <= max(grid_width(len(x.ids), r.pad_grid) for x in enc)
+
+            torch.set_num_threads(2)
+            seen = []
+            hook = e._model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+            e.embed(texts[:1])
+            e.embed(texts[:20])
+            hook.remove()
+            hook = r._model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+            r.cross_scores(["who"], texts[:1])
+            hook.remove()
+            assert seen and set(seen) == {1}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_passes_side_by_side_give_the_numbers_of_one_pass_after_another(texts):
     """With two torch threads a call's batches run as passes side by side, one thread each; the oracle is the same
     call on one thread (one pass after another): bit for bit, for both encoders. The groups cover every batch once

@@ -40,19 +40,28 @@ def test_tiny_indexes_are_exact(n, rng):
         np.testing.assert_array_equal(got.ids, truth)
 
 
-def test_fewer_results_than_k_are_padded(rng):
+def test_k_above_the_index_size_gives_as_many_results_as_vectors(rng):
+    """Results are sized min(k, live vectors): k = 2**31 - 1 on 50 vectors used to allocate k x n results (16 GiB)."""
     index = HnswIndex(dim=3)
     index.add(rng.standard_normal((4, 3)).astype(np.float32), ids=[10, 11, 12, 13])
     result = index.search(rng.standard_normal((2, 3)).astype(np.float32), k=6)
-    assert sorted(result.ids[0, :4].tolist()) == [10, 11, 12, 13]
-    assert result.ids[:, 4:].tolist() == [[-1, -1], [-1, -1]]
-    assert np.all(np.isneginf(result.scores[:, 4:]))
-    assert np.all(np.isfinite(result.scores[:, :4]))
+    assert result.ids.shape == result.scores.shape == (2, 4)
+    assert all(sorted(row) == [10, 11, 12, 13] for row in result.ids.tolist())
+    assert np.all(np.isfinite(result.scores))
+    big = HnswIndex(dim=3)
+    big.add(rng.standard_normal((50, 3)).astype(np.float32))
+    for k in (2**31 - 1, 10**8):
+        huge = big.search(np.ones((3, 3), dtype=np.float32), k=k)
+        assert huge.ids.shape == (3, 50) and sorted(huge.ids[0].tolist()) == list(range(50))
+    big.remove([0, 1])
+    assert big.search(np.ones(3, dtype=np.float32), k=100).ids.shape == (1, 48)
 
 
-def test_empty_index_returns_only_padding():
+def test_an_empty_index_returns_no_columns():
     result = HnswIndex(dim=3).search(np.ones((2, 3), dtype=np.float32), k=2)
-    assert (result.ids == -1).all() and np.isneginf(result.scores).all()
+    assert result.ids.shape == result.scores.shape == (2, 0)
+    with pytest.raises(ValueError, match="queries"):  # the queries are still checked
+        HnswIndex(dim=3).search(np.full((1, 3), np.nan, dtype=np.float32), k=2)
 
 
 def test_ids_default_to_a_continuing_sequence(rng):

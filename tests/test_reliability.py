@@ -396,3 +396,140 @@ def test_a_failed_write_leaves_the_engine_as_the_store_on_disk(tmp_path, leads, 
     engine.add(leads[6:8], progress=False)  # the same documents go in once the disk takes them
     assert len(engine) == 8 and leads[7]["id"] in engine.retrieve(leads[7]["text"][:80], candidates=20).doc_ids
     engine.close()
+
+
+# ------------------------------------------------------------------------------------------ round two (issue 29)
+
+def _reseal_store(store, version, name, raw: bytes) -> None:
+    """Writes raw as version/name with the manifest's and CURRENT's checksums recomputed: damage a checksum misses."""
+    manifest = json.loads((version / "manifest.json").read_text())
+    (version / name).write_bytes(raw)
+    if name != "manifest.json":
+        manifest["files"][name] = {"sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
+        raw = (json.dumps(manifest, indent=2) + "\n").encode()
+        (version / "manifest.json").write_bytes(raw)
+    (store / "CURRENT").write_text(f"{version.name} sha256:{hashlib.sha256(raw).hexdigest()}\n")
+
+
+def test_r2_1_a_build_never_deletes_what_the_store_did_not_write(tmp_path, leads):
+    """`certrag index SRC --store DIR` into a user's folder deleted every subfolder named v + digit."""
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+    from certrag.engine import Engine
+    from certrag.store import StoreError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, d in enumerate(leads[:3]):
+        (src / f"doc{i}.txt").write_text(d["text"])
+    user = tmp_path / "userdir"
+    for sub in ("v2", "v10-drafts", "v000001"):
+        (user / sub).mkdir(parents=True)
+        (user / sub / "notes.txt").write_text("notes")
+    runner = CliRunner()
+    refused = runner.invoke(main, ["index", str(src), "--store", str(user), "--chunker", "fixed_sentence"])
+    assert refused.exit_code != 0 and "not empty" in refused.output and "--force" in refused.output
+    assert not (user / "CURRENT").exists()
+    with pytest.raises(StoreError, match="not empty"):
+        Engine.build(leads[:2], user, _fast_config(), progress=False)
+
+    built = runner.invoke(main, ["index", str(src), "--store", str(user), "--chunker", "fixed_sentence", "--force"])
+    assert built.exit_code == 0, built.output
+    with Engine.open(user) as engine:  # a second and third version replace the first: still nothing of theirs goes
+        engine.add(leads[3:4], progress=False)
+        engine.add(leads[4:5], progress=False)
+        assert len(engine.documents) == 5
+    for sub in ("v2", "v10-drafts", "v000001"):
+        assert (user / sub / "notes.txt").read_text() == "notes"
+    versions = sorted(p.name for p in user.iterdir() if p.name.startswith("v") and (p / "manifest.json").exists())
+    assert len(versions) == 1 and versions[0] > "v000001"  # one live version, numbered past the user's folder
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    Engine.build(leads[:1], empty, _fast_config(), progress=False).close()  # an empty folder is fine
+
+
+def test_r2_1_a_killed_writes_leftovers_are_cleaned_by_the_next_write(small_store, leads):
+    from certrag.engine import Engine
+
+    dead = 2**22 + 12345  # above the kernel's default pid_max: no process has it
+    (small_store / f".tmp-v000099-{dead}").mkdir()
+    (small_store / f".tmp-v000099-{dead}" / "chunks.jsonl").write_text("{}")
+    (small_store / f".CURRENT.tmp-{dead}-7").write_text("v000099")
+    (small_store / ".tmp-notes").write_text("mine")  # not a name the store makes: left alone
+    with Engine.open(small_store) as engine:
+        engine.add(leads[10:11], progress=False)
+    names = {p.name for p in small_store.iterdir()}
+    assert f".tmp-v000099-{dead}" not in names and f".CURRENT.tmp-{dead}-7" not in names
+    assert ".tmp-notes" in names
+
+
+def test_r2_6_an_index_permuted_against_its_ids_is_refused(small_store):
+    from certrag.index import HnswIndex
+    from certrag.store import StoreError, read_store
+
+    version = _version(small_store)
+    index = HnswIndex.load(version / "index.hnsw")
+    ids = index.ids()
+    vectors = index.get_vectors(ids)
+    permuted = HnswIndex(index.dim, index.metric, index.M, index.ef_construction)
+    permuted.add(vectors[::-1].copy(), ids=ids)
+    permuted.save(version / "index.new")
+    raw = (version / "index.new").read_bytes()
+    (version / "index.new").unlink()
+    _reseal_store(small_store, version, "index.hnsw", raw)
+    with pytest.raises(StoreError, match="vectors do not match"):
+        read_store(small_store)
+    fewer = HnswIndex(index.dim, index.metric, index.M, index.ef_construction)
+    fewer.add(vectors, ids=ids + 1000)
+    fewer.save(version / "index.new")
+    raw = (version / "index.new").read_bytes()
+    (version / "index.new").unlink()
+    _reseal_store(small_store, version, "index.hnsw", raw)
+    with pytest.raises(StoreError, match="different chunk ids"):
+        read_store(small_store)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c, d, m: c[0].pop("text"), "text"),
+    (lambda c, d, m: c[1].__setitem__("start", "0"), "start"),
+    (lambda c, d, m: c.__setitem__(0, ["not", "an", "object"]), "not an object"),
+    (lambda c, d, m: c[0].__setitem__("doc_id", "nobody"), "nobody"),
+    (lambda c, d, m: m.__setitem__("next_chunk_id", 2**70), "next_chunk_id"),
+    (lambda c, d, m: m.__setitem__("next_chunk_id", -1), "next_chunk_id"),
+    (lambda c, d, m: d[0].pop("chunk_ids"), "chunk_ids"),
+    (lambda c, d, m: d[0].__setitem__("chunk_ids", [10**30]), "chunk"),
+    (lambda c, d, m: d[0].__setitem__("metadata", [1]), "metadata"),
+])
+def test_r2_6_every_edited_field_raises_store_error_naming_it(small_store, edit, field):
+    from certrag.store import StoreError, read_store
+
+    version = _version(small_store)
+    chunks = [json.loads(x) for x in (version / "chunks.jsonl").read_text().splitlines()]
+    docs = [json.loads(x) for x in (version / "documents.jsonl").read_text().splitlines()]
+    manifest = json.loads((version / "manifest.json").read_text())
+    edit(chunks, docs, manifest)
+    for name, rows in (("chunks.jsonl", chunks), ("documents.jsonl", docs)):
+        _reseal_store(small_store, version, name, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    manifest = dict(json.loads((version / "manifest.json").read_text()), next_chunk_id=manifest["next_chunk_id"])
+    _reseal_store(small_store, version, "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+    with pytest.raises(StoreError, match=field):
+        read_store(small_store)
+
+
+def test_r2_7_a_fifo_or_folder_in_place_of_an_index_is_refused_at_once(tmp_path):
+    from certrag.index import HnswIndex, IndexFormatError
+
+    fifo = tmp_path / "index.hnsw"
+    os.mkfifo(fifo)
+    done = []
+    t = threading.Thread(target=lambda: done.append(pytest.raises(IndexFormatError, HnswIndex.load, fifo)))
+    t.start()
+    t.join(10)
+    assert done, "loading a FIFO blocked"
+    (tmp_path / "dir.hnsw").mkdir()
+    with pytest.raises(IndexFormatError, match="regular file"):
+        HnswIndex.load(tmp_path / "dir.hnsw")
+    with pytest.raises(IndexFormatError, match="regular file"):  # the native loader refuses on its own too
+        certrag._core.HnswIndex.load(str(fifo), False)

@@ -113,12 +113,12 @@ def _prepared(ds, dim: int, progress: bool) -> Iterator[Prepared]:
 
 def index_on_ray(documents: object, store: str | Path, config: EngineConfig | None = None, *,
                  address: str | None = None, workers: int = 2, threads_per_worker: int = 1,
-                 batch_docs: int = GROUP, overwrite: bool = False, progress: bool = True):
+                 batch_docs: int = GROUP, overwrite: bool = False, force: bool = False, progress: bool = True):
     """Builds a new store at `store` (or adds to the one there) from documents -- paths (JSONL, Parquet, text files,
     folders of them) or anything load_documents takes -- segmenting and embedding on `workers` Ray actors of
     `threads_per_worker` torch threads, batch_docs documents per batch. Returns the open Engine; its last_report
     says what was indexed. address: a Ray cluster (None starts a local one in this process; "auto" joins this
-    machine's). config applies to a new store only (an existing store keeps its own)."""
+    machine's). config applies to a new store only (an existing store keeps its own); force as in Engine.build."""
     from certrag.engine import Engine
     from certrag.scale.cluster import connect
 
@@ -153,4 +153,4 @@ def index_on_ray(documents: object, store: str | Path, config: EngineConfig | No
             engine.close()
             raise
         return engine
-    return Engine._create(store, config, embedder=None, reranker=None, overwrite=overwrite, fill=run)
+    return Engine._create(store, config, embedder=None, reranker=None, overwrite=overwrite, force=force, fill=run)

@@ -222,6 +222,8 @@ PYBIND11_MODULE(_core, m) {
            [](const HnswIndex& self, const py::array& queries, std::size_t k, std::size_t ef, int num_threads) {
              const std::size_t n = check_matrix(queries, "queries", self.config().dim);
              if (k < 1) throw py::value_error("k must be at least 1");
+             // results are sized by what the index holds: k = 2**31 on 50 vectors must not allocate k x n
+             k = std::min(k, self.size());
              LabelArray ids({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(k)});
              FloatArray scores({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(k)});
              const float* q = static_cast<const float*>(queries.data());

@@ -456,12 +456,12 @@ void HnswIndex::search_one(const float* q, std::size_t k, std::size_t ef, std::i
 
 void HnswIndex::search(std::size_t n, const float* queries, std::size_t k, std::size_t ef, int num_threads,
                        std::int64_t* out_labels, float* out_scores) const {
-  if (k < 1) throw std::invalid_argument("k must be at least 1");
   const std::size_t dim = config_.dim;
   for (std::size_t i = 0; i < n; ++i) {
     const std::string problem = vector_problem(queries + i * dim, dim, config_.metric == Metric::cosine);
     if (!problem.empty()) throw std::invalid_argument("queries[" + std::to_string(i) + "] " + problem);
   }
+  if (k == 0) return;  // an empty index: the caller sized its results min(k, size()) = 0
   std::shared_lock<std::shared_mutex> shared(grow_mutex_);
   const bool normalise = config_.metric == Metric::cosine;
   parallel_for(n, num_threads, 4, [&](std::size_t i) {

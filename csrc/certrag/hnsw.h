@@ -90,7 +90,8 @@ class HnswIndex {
   void add(std::size_t n, const float* vectors, const std::int64_t* labels, int num_threads);
 
   // For each of n queries writes the k best labels and scores, best first; rows with fewer than k results are padded
-  // with label -1 and score -inf. ef is the search breadth (raised to k if smaller).
+  // with label -1 and score -inf. ef is the search breadth (raised to k if smaller). Callers size k by size(): k
+  // above the live count only pads (the binding passes min(k, size())); k = 0 checks the queries and writes nothing.
   void search(std::size_t n, const float* queries, std::size_t k, std::size_t ef, int num_threads,
               std::int64_t* out_labels, float* out_scores) const;
 

@@ -168,7 +168,8 @@ namespace {
 class FileReader {
  public:
   explicit FileReader(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: a FIFO or a device in place of an index must be refused by the check below, not block the open
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd_ < 0) {
       if (errno == ENOENT) throw IndexIoError("no index file at " + path);  // an OSError, as a missing file is
       throw IndexIoError("could not open " + path + ": " + errno_text());
