@@ -408,7 +408,7 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
 @main.command()
 @click.argument("store", required=False, type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback by default).")
-@click.option("--port", default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--model", default=None,
               help="Bundled model name or transformers folder (default: qwen2.5-coder-0.5b-instruct).")
 @click.option("--llm-url", default=None,
@@ -424,6 +424,9 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
               help="Cross-encoder instances sharing the cores (each on its share of the torch threads).")
 @click.option("--timeout", "timeout_s", default=120.0, show_default=True,
               help="Default per-request deadline in seconds (504 after it; also the drain time on SIGTERM).")
+@click.option("--read-timeout", "read_timeout_s", default=10.0, show_default=True,
+              help="Seconds a client has to send a request's head, and each piece of its body; slower ones are "
+                   "dropped.")
 @click.option("--api-key", envvar="CERTRAG_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on every route but /health and /ready [env CERTRAG_API_KEY].")
 @click.option("--serialize", is_flag=True, hidden=True,
@@ -445,7 +448,8 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
               help="torch threads per Encoders and Generator replica (with --ray).")
 def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: str | None, llm_model: str,
           max_body_bytes: int, max_batch: int, max_wait_ms: float, queue_depth: int, encoder_depth: int,
-          rerank_instances: int, timeout_s: float, api_key: str | None, serialize: bool, ray_address: str | None, retrieval_replicas: int,
+          rerank_instances: int, timeout_s: float, read_timeout_s: float, api_key: str | None, serialize: bool,
+          ray_address: str | None, retrieval_replicas: int,
           generation_replicas: int, ingress_replicas: int, autoscale: int | None, shard_actors: bool,
           replica_threads: int) -> None:
     """Serve the OpenAI routes (/v1/chat/completions, /v1/models, /v1/embeddings), /v1/rerank and, with STORE,
@@ -457,7 +461,8 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
     try:
         config = ServeConfig(host=host, port=port, max_body_bytes=max_body_bytes, max_batch=max_batch,
                              max_wait_ms=max_wait_ms, queue_depth=queue_depth, encoder_depth=encoder_depth,
-                             rerank_instances=rerank_instances, timeout_s=timeout_s, api_key=api_key,
+                             rerank_instances=rerank_instances, timeout_s=timeout_s,
+                             read_timeout_s=read_timeout_s, api_key=api_key,
                              serialize=serialize)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
@@ -487,8 +492,11 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
     engine = _open_engine(store, read_only=True) if store else None
     if engine is not None:
         engine.llm = llm
+    from certrag.serve.transport import protocol_with_read_timeout
+
     uvicorn.run(create_app(llm, engine, config), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=int(math.ceil(timeout_s)), timeout_keep_alive=5)
+                timeout_graceful_shutdown=int(math.ceil(timeout_s)), timeout_keep_alive=5,
+                http=protocol_with_read_timeout(config.read_timeout_s))
 
 
 @main.command("eval")

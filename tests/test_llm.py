@@ -91,3 +91,58 @@ def test_stream_yields_the_answer_as_it_is_decoded_and_stops_when_left(smollm):
     # stop strings end the text before them, streamed or not
     cut = smollm.generate(messages, max_new_tokens=40, stop=["5"])
     assert cut.finish_reason == "stop" and cut.text == whole.text[: whole.text.index("5")].strip()
+
+
+def _long_messages(items: int) -> list[dict]:
+    options = "\n".join(f"({i}) the colour of item {i} is blue, green or a shade of red between them" for i in range(items))
+    return [{"role": "user", "content": "Which option names a colour?\n" + options}]
+
+
+def test_a_long_prompt_is_cancelled_within_one_prefill_pass(llm):
+    """A deadline or a client that left must free the model within one prompt pass: the prompt is prefilled in
+    passes of PREFILL_CHUNK tokens with cancellation checked between them (it used to be one pass over the whole
+    prompt, which ran on for minutes after the request's 504). Uncancelled, the chunked prefill gives plain
+    generate()'s greedy tokens (the oracle: transformers' own generate over the whole prompt at once)."""
+    from certrag.llm.local import PREFILL_CHUNK
+
+    messages = _long_messages(70)
+    n = len(llm.prompt_ids(messages))
+    assert n > 2 * PREFILL_CHUNK + 1
+    widths, asked = [], []
+    hook = llm.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        cut = llm.generate(messages, max_new_tokens=8, cancelled=lambda: asked.append(1) or len(widths) >= 1)
+    finally:
+        hook.remove()
+    assert cut.finish_reason == "cancelled" and cut.output_tokens == 0
+    assert widths == [PREFILL_CHUNK]  # one pass, then the cancellation was seen
+
+    whole = llm.generate(messages, max_new_tokens=6)
+    ids = torch.tensor([llm.prompt_ids(messages)])
+    with torch.inference_mode():
+        ref = llm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                 temperature=None, top_p=None, top_k=None)
+    assert list(whole.token_ids) == ref[0, n:].tolist()
+
+
+def test_a_prompt_past_the_context_is_refused_before_any_work(llm):
+    from certrag.llm.local import PromptTooLong
+
+    calls = []
+    hook = llm.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(PromptTooLong, match=f"context of {llm.context_length} tokens"):
+            llm.generate(_long_messages(900), max_new_tokens=8)
+        fits = len(llm.prompt_ids(MESSAGES_SHORT))
+        with pytest.raises(PromptTooLong, match="max_new_tokens"):
+            llm.generate(MESSAGES_SHORT, max_new_tokens=llm.context_length - fits + 1)
+        with pytest.raises(PromptTooLong):
+            llm.generate_batch([MESSAGES_SHORT, _long_messages(900)], max_new_tokens=8)
+    finally:
+        hook.remove()
+    assert calls == []
+    assert issubclass(PromptTooLong, ValueError)  # the service's 400
+
+
+MESSAGES_SHORT = [{"role": "user", "content": "Name a colour."}]

@@ -79,7 +79,7 @@ def server(store, request):
     """The same suite runs against the single-process server and the Ray Serve one (Ingress, Encoders and
     Generator deployments on a local Ray cluster, the store's two shards as Ray actors). The local server runs two
     cross-encoder instances, so that its rankings are checked against the engine's with pairs cut across them."""
-    extra = ["--rerank-instances", "2"]
+    extra = ["--rerank-instances", "2", "--read-timeout", "3"]
     if request.param == "ray":
         pytest.importorskip("ray")
         extra = ["--ray", "--shard-actors"]
@@ -223,6 +223,38 @@ def test_bad_input_gets_a_clear_4xx_never_a_5xx(server):
     status, _, body = _post(server, chat, {"messages": [{"role": "user", "content": "word " * 9000}],
                                            "max_tokens": 10})
     assert json.loads(body)["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_question_whose_options_overrun_the_context_is_refused_before_it_queues(server):
+    """A multiple-choice question with 100 options of 480 characters overran the model's 8,192 positions and the
+    prefill ran on; it must get 400 naming the limit before it queues, on both servers."""
+    options = [f"option {i}: " + "a long description of a colour " * 15 for i in range(100)]
+    status, _, body = _post(server, "/v1/answer", {"question": "Which is blue?", "options": options})
+    assert status == 400, body[:300]
+    assert b"context of 8192 tokens" in body
+    assert _ready(server)["queue"] == 0
+
+
+def test_a_slow_client_is_dropped_after_the_read_timeout(server, request):
+    """Partial headers or a body that stops arriving held a connection open for 130 s; the local server (its read
+    timeout 3 s here) closes one, and answers 408 to the other."""
+    if request.node.callspec.params.get("server") == "ray":
+        pytest.skip("Ray Serve's HTTP proxy has its own connection handling")
+    host, port = server.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+        started = time.time()
+        assert s.recv(1024) == b""  # closed by the server, without an answer
+        assert 2 <= time.time() - started < 10
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(b"POST /v1/answer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"question\"")
+        started = time.time()
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and 2 <= time.time() - started < 10
+    assert _post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})[0] == 200
 
 
 def test_body_limit_counts_chunked_bytes(server):

@@ -126,6 +126,18 @@ class _Watcher:
         return text, finish
 
 
+PREFILL_CHUNK = 512  # prompt tokens per prefill pass: cancellation and deadlines are checked between passes
+
+
+class PromptTooLong(ValueError):
+    """A prompt that, with the tokens asked for, does not fit the model's context: refused before any work."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {limit} tokens")
+        self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
+
+
 def _mean(values) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
@@ -204,22 +216,19 @@ class LocalLLM:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         out = np.zeros((len(prompts), len(token_ids)))
         wanted = torch.tensor(list(token_ids), dtype=torch.long)
-        with self._lock, torch.inference_mode():
-            previous = torch.get_num_threads()
-            torch.set_num_threads(self.num_threads)
-            try:
-                for start in range(0, len(prompts), batch_size):
-                    batch = prompts[start:start + batch_size]
-                    width = max(len(p) for p in batch)
-                    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch])
-                    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-                    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-                    logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                        logits_to_keep=1).logits[:, -1, :].float()
-                    logp = torch.log_softmax(logits, dim=-1)
-                    out[start:start + len(batch)] = logp[:, wanted].exp().double().numpy()
-            finally:
-                torch.set_num_threads(previous)
+        for p in prompts:
+            self.check_context(len(p), 0)
+        with self._lock, torch.inference_mode(), self._threads():
+            for start in range(0, len(prompts), batch_size):
+                batch = prompts[start:start + batch_size]
+                width = max(len(p) for p in batch)
+                ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in batch])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+                pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                    logits_to_keep=1).logits[:, -1, :].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                out[start:start + len(batch)] = logp[:, wanted].exp().double().numpy()
         return out
 
     @property
@@ -246,13 +255,20 @@ class LocalLLM:
         spans = self._passage_spans(messages, ids) if record_lookback else None
         if prefix:
             ids = ids + self.tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        self.check_context(len(ids), max_new_tokens)
         watch = _Watcher(self.tokenizer, len(ids), tuple(stop), on_text, cancelled) \
             if (stop or on_text or cancelled) else None
         started = time.perf_counter()
         with self._lock, torch.inference_mode(), self._recording(len(ids), spans) as rec:
-            out = self._decode(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), max_new_tokens,
-                               temperature, seed, self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-                               criteria=watch)
+            prompt, mask = torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)
+            cache, stopped = self._prefill(prompt, mask, cancelled)
+            if stopped:  # cancelled (or past its deadline) during the prompt's passes
+                return Generation(text="", input_tokens=len(ids), output_tokens=0,
+                                  seconds=time.perf_counter() - started, finish_reason="cancelled",
+                                  lookback=rec.finish() if rec is not None else None)
+            out = self._decode(prompt, mask, max_new_tokens, temperature, seed,
+                               self.tokenizer.pad_token_id or self.tokenizer.eos_token_id, criteria=watch,
+                               cache=cache)
         new = out.sequences[0, len(ids):].tolist()
         logprobs = self._token_logprobs(out.scores, 0, new)
         finish = "stop" if new and new[-1] in self._eos_ids() else "length"
@@ -263,6 +279,36 @@ class LocalLLM:
                           seconds=time.perf_counter() - started, finish_reason=finish,
                           lookback=rec.finish() if rec is not None else None, mean_logprob=_mean(logprobs),
                           token_ids=tuple(new), token_logprobs=logprobs)
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raises PromptTooLong when prompt_tokens + max_new_tokens pass the model's context."""
+        if prompt_tokens + max_new_tokens > self.context_length:
+            raise PromptTooLong(prompt_tokens, max_new_tokens, self.context_length)
+
+    def _prefill(self, ids, mask, cancelled):
+        """The prompt's KV cache, filled PREFILL_CHUNK tokens a pass with cancelled() checked before each, so a
+        request cancelled or past its deadline frees the model within one pass rather than after the whole prompt;
+        the last 2 .. PREFILL_CHUNK + 1 tokens are left to generate(), whose first pass then reads them (never one
+        token alone: a one-token pass is a decode step to the lookback recorder). Only the last position's logits
+        are computed. Returns (cache, False); (None, False) for a prompt of one pass, which generate() prefills
+        itself; (None, True) when cancelled."""
+        from transformers import DynamicCache
+
+        length = ids.shape[1]
+        if length <= PREFILL_CHUNK:
+            return None, bool(cancelled is not None and cancelled())
+        tail = length % PREFILL_CHUNK or PREFILL_CHUNK
+        if tail < 2:
+            tail += PREFILL_CHUNK
+        cache = DynamicCache(config=self.model.config)
+        with self._threads():
+            for start in range(0, length - tail, PREFILL_CHUNK):
+                if cancelled is not None and cancelled():
+                    return None, True
+                end = start + PREFILL_CHUNK
+                self.model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], cache=cache,
+                           use_cache=True, logits_to_keep=1)
+        return cache, bool(cancelled is not None and cancelled())
 
     def stream(self, messages: list[dict], **kwargs) -> "TextStream":
         """generate() as an iterator of text pieces, decoded in a worker thread: `for piece in llm.stream(m): ...`;
@@ -295,6 +341,8 @@ class LocalLLM:
         eos = self._eos_ids()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(eos, default=0)
         prompts = [self.prompt_ids(m) for m in messages_list]
+        for p in prompts:
+            self.check_context(len(p), max_new_tokens)
         results: list[Generation] = []
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start:start + batch_size]
@@ -316,15 +364,33 @@ class LocalLLM:
                     mean_logprob=_mean(logprobs), token_ids=tuple(new), token_logprobs=logprobs))
         return results
 
-    def _decode(self, ids, mask, max_new_tokens: int, temperature: float, seed: int | None, pad: int,
-                criteria=None):
-        """model.generate on `num_threads` threads (restored after): greedy, or seeded sampling when temperature >
-        0; the caller holds the lock and inference mode. criteria: a StoppingCriteria checked after every token."""
+    def _threads(self):
+        """torch on `num_threads` threads for the duration (restored after)."""
+        import contextlib
+
         torch = self._torch
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.num_threads)
-        try:
+
+        @contextlib.contextmanager
+        def scope():
+            previous = torch.get_num_threads()
+            torch.set_num_threads(self.num_threads)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(previous)
+
+        return scope()
+
+    def _decode(self, ids, mask, max_new_tokens: int, temperature: float, seed: int | None, pad: int,
+                criteria=None, cache=None):
+        """model.generate on `num_threads` threads (restored after): greedy, or seeded sampling when temperature >
+        0; the caller holds the lock and inference mode. criteria: a StoppingCriteria checked after every token.
+        cache: the KV cache of the prompt's first tokens (_prefill), or None."""
+        torch = self._torch
+        with self._threads():
             kwargs = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0, "pad_token_id": pad}
+            if cache is not None:
+                kwargs["cache"] = cache
             if temperature > 0:
                 kwargs["temperature"] = temperature
                 torch.manual_seed(0 if seed is None else seed)
@@ -336,8 +402,6 @@ class LocalLLM:
                 kwargs["stopping_criteria"] = StoppingCriteriaList([criteria])
             return self.model.generate(ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True,
                                        **kwargs)
-        finally:
-            torch.set_num_threads(previous)
 
     def _eos_ids(self) -> set:
         eos = self.model.generation_config.eos_token_id

@@ -272,6 +272,10 @@ class RemoteLLM:
 
         return chat_prompt_ids(self.tokenizer, messages)
 
+    def count_tokens(self, text: str) -> int:
+        """As LocalLLM.count_tokens, with the model's own tokenizer here (the server's admission check)."""
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def prefix_tokens(self, token_ids, text: str) -> int:
         return self._h.prefix_tokens.remote(list(token_ids), text).result()
 

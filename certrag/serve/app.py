@@ -47,7 +47,9 @@ class ServeConfig:
     rerank_instances: cross-encoder instances over the same weights, each on its share of the torch threads, that
     score queued pairs side by side (a request's pairs are shared among the idle ones);
     timeout_s: the default per-request deadline (a request may ask for less with its `timeout` field or an
-    X-Request-Timeout header), after which it gets 504 and its work stops; api_key: when set, every route but /,
+    X-Request-Timeout header), after which it gets 504 and its work stops; read_timeout_s: a client that takes
+    longer to send a request's head, or between the pieces of its body, is dropped (the body: 408); api_key: when
+    set, every route but /,
     /health and /ready needs `Authorization: Bearer <key>`."""
 
     host: str = "127.0.0.1"
@@ -59,14 +61,19 @@ class ServeConfig:
     encoder_depth: int = 32
     rerank_instances: int = 1
     timeout_s: float = 120.0
+    read_timeout_s: float = 10.0
     api_key: str | None = None
     serialize: bool = False  # a baseline for benchmarks only: one request at a time, as the server used to run
 
     def __post_init__(self) -> None:
-        for name in ("port", "max_body_bytes", "max_batch", "queue_depth", "encoder_depth", "rerank_instances"):
+        for name in ("max_body_bytes", "max_batch", "queue_depth", "encoder_depth", "rerank_instances"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "port" else 1):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an integer from 0 to 65535; got {self.port!r}")
+        if not (isinstance(self.read_timeout_s, (int, float)) and 0 < self.read_timeout_s <= 3600):
+            raise ValueError(f"read_timeout_s must be between 0 and 3600 seconds; got {self.read_timeout_s!r}")
         if not (isinstance(self.max_wait_ms, (int, float)) and 0 <= self.max_wait_ms <= 1000):
             raise ValueError(f"max_wait_ms must be between 0 and 1000; got {self.max_wait_ms!r}")
         if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 86400):
@@ -173,8 +180,8 @@ class Detail(BaseModel):
 
 
 # 499: the client closed the request (nginx's convention); 504: the request's deadline passed
-OPENAI_ERRORS = {c: {"model": OpenAIError} for c in (400, 401, 404, 413, 429, 499, 500, 504)}
-CERTRAG_ERRORS = {c: {"model": Detail} for c in (400, 401, 404, 413, 429, 499, 500, 504)}
+OPENAI_ERRORS = {c: {"model": OpenAIError} for c in (400, 401, 404, 408, 413, 429, 499, 500, 504)}
+CERTRAG_ERRORS = {c: {"model": Detail} for c in (400, 401, 404, 408, 413, 429, 499, 500, 504)}
 
 
 class ApiError(Exception):
@@ -417,6 +424,21 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
                            f"of {limit} tokens", param="messages", code="context_length_exceeded")
         return n
 
+    def check_request_text(texts: list[str], max_new: int | None) -> None:
+        """Before queueing a request whose prompt the engine builds (retrieved passages around the question and its
+        options): the question and options alone must leave room in the model's context. The full prompt is
+        checked again by the model before any work (PromptTooLong: 400 too)."""
+        count, limit = getattr(llm, "count_tokens", None), getattr(llm, "context_length", None)
+        if count is None or not limit:
+            return
+        n = sum(count(t) for t in texts)
+        max_new = max_new or 0
+        if n + max_new > limit:
+            metrics.rejected.labels("context").inc()
+            raise ApiError(400, f"the question and its options ({n} tokens) plus max_new_tokens ({max_new}) exceed "
+                           f"the model's context of {limit} tokens", param="question",
+                           code="context_length_exceeded")
+
     def need_engine():
         if engine is None:
             raise ApiError(404, "this server has no store: start it with `certrag serve STORE`")
@@ -648,6 +670,7 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         cancel = threading.Event()
         fields = {"strategy": req.strategy, "qtype": req.qtype, "options": req.options, "certify": req.certify,
                   "confidence": req.confidence, "max_new_tokens": req.max_new_tokens}
+        check_request_text([req.question, *(req.options or [])], req.max_new_tokens)
         queue.admit()
 
         def run(emit=None):
@@ -737,15 +760,29 @@ class _Guard:
             if declared is not None and (not declared.isdigit() or int(declared) > config.max_body_bytes):
                 metrics.rejected.labels("too_large").inc()
                 return await reply(413, f"request body over {config.max_body_bytes} bytes", "invalid_request_error")
-            seen = 0
+            seen, body_done = 0, False
 
             async def counted_receive():
-                # over the limit: answer 413 now and tell the app the client has gone, so it stops reading
-                nonlocal seen
+                # over the limit: answer 413 now and tell the app the client has gone, so it stops reading; a body
+                # whose next piece takes longer than read_timeout_s: 408 (after the body, receive() waits for the
+                # client to leave, and no limit applies)
+                nonlocal seen, body_done
                 if status["refused"]:
                     return {"type": "http.disconnect"}
-                message = await receive()
+                if body_done:
+                    message = await receive()
+                else:
+                    try:
+                        message = await asyncio.wait_for(receive(), timeout=config.read_timeout_s)
+                    except asyncio.TimeoutError:
+                        metrics.rejected.labels("slow_client").inc()
+                        if not status["sent"]:
+                            await reply(408, f"the request body did not arrive within {config.read_timeout_s:g} s",
+                                        "invalid_request_error", {"Connection": "close"})
+                        status["refused"] = True
+                        return {"type": "http.disconnect"}
                 if message["type"] == "http.request":
+                    body_done = not message.get("more_body", False)
                     seen += len(message.get("body", b""))
                     if seen > config.max_body_bytes:
                         metrics.rejected.labels("too_large").inc()
