@@ -27,6 +27,7 @@ passes side by side, one thread each, rather than one after another on all threa
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
@@ -275,6 +276,8 @@ class _PassPool:
         import queue
 
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = 0  # tasks queued or running
+        self._idle = threading.Condition()
         ready = threading.Barrier(MAX_PASSES + 1)
         before = torch.get_num_threads()
         for i in range(MAX_PASSES):
@@ -288,18 +291,30 @@ class _PassPool:
         ready.wait()
         while True:
             fn, arg, future = self._tasks.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(arg))
-                except BaseException as exc:  # noqa: BLE001 -- handed to the caller
-                    future.set_exception(exc)
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(arg))
+                    except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+                        future.set_exception(exc)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
 
     def submit(self, fn, arg):
         from concurrent.futures import Future
 
         future: Future = Future()
+        with self._idle:
+            self._busy += 1
         self._tasks.put((fn, arg, future))
         return future
+
+    def drain(self, timeout: float) -> bool:
+        """Waits until no task is queued or running (True), or timeout seconds pass (False)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
 
 _PASS_POOL: _PassPool | None = None
@@ -322,6 +337,18 @@ def _forget_pass_pool() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pass_pool)
+
+
+def drain_passes(timeout: float = 60.0) -> bool:
+    """Waits for the passes in flight to finish. The pool's threads are daemons: one still inside torch when the
+    interpreter finalises is stopped as it takes the GIL back, which unwinds through C++ frames and aborts the process
+    ("terminate called without an active exception", SIGABRT: Ctrl-C during `certrag index` did this 7 times in 9).
+    So a caller whose call was interrupted (KeyboardInterrupt) drains before it exits; so does interpreter exit."""
+    pool = _PASS_POOL
+    return True if pool is None else pool.drain(timeout)
+
+
+atexit.register(drain_passes)
 
 
 def pass_groups(batches: list[np.ndarray], widths: Sequence[int], workers: int) -> list[list[np.ndarray]]:

@@ -26,7 +26,8 @@ log = logging.getLogger("certrag")
 
 class _Commands(click.Group):
     """Any ValueError or OSError a command did not turn into a message itself (a damaged store, a bad file, a full
-    disk) ends the command with one line on stderr and exit code 1, never a traceback."""
+    disk) ends the command with one line on stderr and exit code 1, never a traceback. Ctrl-C ends it with exit
+    code 130 once the work in flight has stopped (a store only ever changes by a whole new version)."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -34,6 +35,12 @@ class _Commands(click.Group):
         except (ValueError, OSError) as exc:
             message = " ".join(str(exc).split()) or type(exc).__name__
             raise click.ClickException(message) from None
+        except KeyboardInterrupt:
+            from certrag.backends import drain_passes
+
+            drain_passes()
+            click.echo("interrupted: nothing was half-written (a store changes only by a whole new version)", err=True)
+            ctx.exit(130)
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})

@@ -154,17 +154,46 @@ def load_documents(documents: object) -> list[Document]:
                 raise FileNotFoundError(f"documents[{i}]: no such file or folder: {item!r} (pass a dict "
                                         "{'text': ...} to index it as text)")
             else:
+                check_text(item, f"documents[{i}]")
                 out.append(Document(id=hashlib.sha256(item.encode()).hexdigest()[:16], text=item))
         elif isinstance(item, dict):
             if not isinstance(item.get("text"), str):
                 raise ValueError(f"documents[{i}] needs a string 'text'")
-            doc_id = item.get("id", hashlib.sha256(item["text"].encode()).hexdigest()[:16])
+            check_text(item["text"], f"document {item.get('id', i)!r}'s text")
+            doc_id = item["id"] if "id" in item else hashlib.sha256(item["text"].encode()).hexdigest()[:16]
             out.append(Document(id=str(doc_id), text=item["text"], metadata=dict(item.get("metadata") or {})))
         else:
             raise TypeError(f"documents[{i}] must be text, a path, a dict or a Document; got {type(item).__name__}")
     seen = set()
     for d in out:
+        _check_document(d)
         if d.id in seen:
             raise ValueError(f"document id {d.id!r} appears more than once")
         seen.add(d.id)
     return out
+
+
+def check_text(value: str, what: str) -> None:
+    """ValueError naming `what` for a string that cannot be written as UTF-8 (a lone surrogate such as '\\ud800')."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid text: {value[exc.start:exc.end]!r} at character {exc.start} is a "
+                         "lone surrogate") from None
+
+
+def _check_document(d: Document) -> None:
+    """What the store will write: an id and a text that are valid UTF-8, metadata that is a JSON object."""
+    if not isinstance(d.id, str) or not d.id:
+        raise ValueError(f"document ids must be non-empty strings; got {d.id!r}")
+    check_text(d.id, f"document id {d.id!r}")
+    if not isinstance(d.text, str):
+        raise ValueError(f"document {d.id!r}: text must be a string")
+    check_text(d.text, f"document {d.id!r}'s text")
+    if not isinstance(d.metadata, dict):
+        raise ValueError(f"document {d.id!r}: metadata must be a dict")
+    try:
+        json.dumps(d.metadata, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, UnicodeEncodeError) as exc:
+        raise ValueError(f"document {d.id!r}: metadata must be JSON (strings, numbers, booleans, null, lists and "
+                         f"objects of them; no NaN): {exc}") from None

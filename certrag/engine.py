@@ -16,13 +16,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from certrag.answering import Answer, AnswerOptions, answer as answer_from
 from certrag.config import EngineConfig
-from certrag.documents import Document, load_documents
+from certrag.documents import Document, check_text, load_documents
 from certrag.index import HnswIndex
 from certrag.retrieval import Retrieval, Retriever, StoreView, check_questions
 from certrag.shards import ShardedIndex
@@ -358,6 +358,12 @@ class Engine:
     def _remove(self, doc_ids: Sequence[str] | str, commit: bool = True) -> int:
         if isinstance(doc_ids, str):
             doc_ids = [doc_ids]
+        if not isinstance(doc_ids, Iterable) or isinstance(doc_ids, (bytes, dict)):
+            raise ValueError(f"doc_ids must be a document id or a list of them; got {type(doc_ids).__name__}")
+        doc_ids = list(doc_ids)
+        bad = [d for d in doc_ids if not isinstance(d, str)]
+        if bad:
+            raise ValueError(f"doc_ids must be strings; got {bad[0]!r}")
         doc_ids = list(dict.fromkeys(doc_ids))
         unknown = [d for d in doc_ids if d not in self._data.documents]
         if unknown:
@@ -568,6 +574,7 @@ class Engine:
                              "use retrieve_batch)")
         if not question.strip():
             raise ValueError("question must be a non-empty string")
+        check_text(question, "question")
         return self.retrieve_batch([question], candidates=candidates, selector=selector, rerank=rerank,
                                    where=where)[0]
 

@@ -78,7 +78,12 @@ def check_where(where) -> dict | None:
     for k, v in where.items():
         if not isinstance(k, str):
             raise ValueError(f"where: keys must be strings; got {k!r}")
-        out[k] = tuple(v) if isinstance(v, (list, tuple, set, frozenset)) else (v,)
+        values = tuple(v) if isinstance(v, (list, tuple, set, frozenset)) else (v,)
+        for x in values:  # metadata values compare by equality: a dict or list here would silently match nothing
+            if x is not None and not isinstance(x, (str, int, float, bool)):
+                raise ValueError(f"where[{k!r}] must be a value (string, number, boolean or None) or a list of "
+                                 f"values; got {type(x).__name__}")
+        out[k] = values
     return out
 
 
@@ -88,10 +93,13 @@ def _matches(metadata: Mapping, where: dict) -> bool:
 
 def check_questions(questions: Sequence[str]) -> list[str]:
     """The questions as a list, each a non-empty string (ValueError naming the first that is not)."""
+    from certrag.documents import check_text
+
     questions = list(questions)
     for i, q in enumerate(questions):
         if not isinstance(q, str) or not q.strip():
             raise ValueError(f"questions: question[{i}] must be a non-empty string")
+        check_text(q, f"questions: question[{i}]")
     return questions
 
 
@@ -124,6 +132,9 @@ class Retriever:
         n_cand = candidates if candidates is not None else self.config.retrieval.candidates
         if isinstance(n_cand, bool) or not isinstance(n_cand, int) or n_cand < 1:
             raise ValueError(f"candidates must be a positive integer; got {n_cand!r}")
+        if selector is not None and not callable(getattr(selector, "select", None)):
+            raise ValueError(f"selector must be a selector object (certrag.select, e.g. GradientSelector()); got "
+                             f"{selector!r} (a configured name goes in EngineConfig(selection=SelectionConfig(...)))")
         selector = selector or self.config.selection.make()
         if rerank is None:
             rerank = ("adaptive" if self.config.retrieval.adaptive_rerank else True) \

@@ -366,7 +366,10 @@ def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bo
     version = root / name
     if not version.is_dir():
         raise _VersionGone(f"{name} is missing")
-    raw = (version / "manifest.json").read_bytes()
+    try:
+        raw = (version / "manifest.json").read_bytes()
+    except (IsADirectoryError, PermissionError) as exc:
+        raise StoreError(f"{version}/manifest.json is unreadable ({exc.strerror}): the store is damaged") from None
     if manifest_sha is not None and hashlib.sha256(raw).hexdigest() != manifest_sha:
         raise StoreError(f"{root}: manifest.json fails its checksum: the store is damaged")
     try:

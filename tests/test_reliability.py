@@ -533,3 +533,79 @@ def test_r2_7_a_fifo_or_folder_in_place_of_an_index_is_refused_at_once(tmp_path)
         HnswIndex.load(tmp_path / "dir.hnsw")
     with pytest.raises(IndexFormatError, match="regular file"):  # the native loader refuses on its own too
         certrag._core.HnswIndex.load(str(fifo), False)
+
+
+def test_r2_7_ctrl_c_during_index_exits_130_without_an_abort(tmp_path, leads):
+    """SIGINT while indexing ended in SIGABRT ("terminate called without an active exception": a pass thread still
+    inside torch when the interpreter finalised) in 7 of 9 runs; now the command drains its passes and exits 130,
+    and the store folder it was creating is gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(600):
+        d = leads[i % len(leads)]
+        (src / f"d{i}.txt").write_text(f"{d['text']} ({i})")
+    store = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-m", "certrag.cli", "index", str(src), "--store", str(store)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (store / ".lock").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(4)  # into the segmentation and embedding passes
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-500:]
+    assert "terminate called" not in out and "interrupted" in out
+    assert not (store / "CURRENT").exists()
+
+
+def test_r2_7_bad_arguments_raise_errors_that_name_them(small_store):
+    from certrag.engine import Engine
+
+    with Engine.open(small_store) as engine:
+        for call, match in [
+            (lambda: engine.retrieve("capital", selector="bogus"), "selector"),
+            (lambda: engine.retrieve("capital \ud800"), "question .*surrogate"),
+            (lambda: engine.retrieve_batch(["ok", "x\udfff"]), r"question\[1\]"),
+            (lambda: engine.add([{"id": "x\ud800", "text": "hello there."}], progress=False), "document id"),
+            (lambda: engine.add([{"id": "m", "text": "hi \ud800"}], progress=False), "'m'.*text"),
+            (lambda: engine.add([{"id": "m", "text": "hi.", "metadata": {"x": object()}}], progress=False),
+             "'m': metadata"),
+            (lambda: engine.add([{"id": "m", "text": "hi.", "metadata": {"x": float("nan")}}], progress=False),
+             "metadata"),
+            (lambda: engine.remove(None), "doc_ids"),
+            (lambda: engine.remove([3]), "doc_ids"),
+            (lambda: engine.retrieve("capital", where={"k": {"a": 1}}), r"where\['k'\]"),
+            (lambda: engine.retrieve("capital", where={"k": [1, [2]]}), r"where\['k'\]"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                call()
+        assert len(engine.documents) == 6  # nothing of the refused calls went in
+
+
+def test_r2_7_a_folder_in_place_of_the_manifest_is_a_store_error(small_store):
+    from certrag.store import StoreError, read_store
+
+    version = _version(small_store)
+    (version / "manifest.json").unlink()
+    (version / "manifest.json").mkdir()
+    with pytest.raises(StoreError, match="manifest.json"):
+        read_store(small_store)
+
+
+def test_r2_7_serve_refuses_a_port_it_cannot_bind_as_given():
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+
+    for port in ("99999", "-1"):
+        result = CliRunner().invoke(main, ["serve", "--port", port])
+        assert result.exit_code == 2 and "--port" in result.output and "0<=x<=65535" in result.output
+    from certrag.serve.app import ServeConfig
+
+    with pytest.raises(ValueError, match="port"):
+        ServeConfig(port=70000)

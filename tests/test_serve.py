@@ -223,6 +223,9 @@ def test_bad_input_gets_a_clear_4xx_never_a_5xx(server):
     status, _, body = _post(server, chat, {"messages": [{"role": "user", "content": "word " * 9000}],
                                            "max_tokens": 10})
     assert json.loads(body)["error"]["code"] == "context_length_exceeded"
+    status, _, body = _post(server, chat, None, raw=b'{"messages": [')  # said "1: JSON decode error", param "1"
+    err = json.loads(body)["error"]
+    assert status == 400 and "not valid JSON" in err["message"] and err["param"] is None
 
 
 def test_a_question_whose_options_overrun_the_context_is_refused_before_it_queues(server):

@@ -365,7 +365,13 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         errors = exc.errors()
         first = errors[0] if errors else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
+        if first.get("type") == "json_invalid":  # its loc is the character position, not a parameter
+            reason = (first.get("ctx") or {}).get("error")
+            where, message = None, (f"the request body is not valid JSON ({reason}) at character "
+                                    f"{first.get('loc', (None, '?'))[-1]}" if reason else
+                                    "the request body is not valid JSON")
+        else:
+            message = f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request"))
         if request.url.path.startswith(OPENAI_ROUTES):
             return JSONResponse(_error_body(request.url.path, 400, message, "invalid_request_error", where, None),
                                 status_code=400)
