@@ -106,17 +106,18 @@ def resolve(requested: str = "auto", features: frozenset[str] | None = None) -> 
     return Resolved(requested, requested, "as configured")
 
 
-def prepare(model, backend: str):
+def prepare(model, backend: str, *, per_text: bool = True):
     """The model converted for `backend` (float32 | bfloat16 | int8), in eval mode, its Linears replaced by ones
-    whose every row's numbers do not depend on the rest of the batch (float32, bfloat16: per_text_linears; int8:
-    certrag.quantize)."""
+    whose every row's numbers do not depend on the rest of the batch (float32, bfloat16: per_text_linears, unless
+    per_text=False -- an encoder with pad_grid 0, which promises no such thing; int8: certrag.quantize)."""
     import torch
 
     model = model.eval()
+    wrap = per_text_linears if per_text else (lambda m: m)
     if backend == "float32":
-        return per_text_linears(model.float())
+        return wrap(model.float())
     if backend == "bfloat16":
-        return per_text_linears(model.to(torch.bfloat16))
+        return wrap(model.to(torch.bfloat16))
     if backend == "int8":
         from certrag.quantize import rowwise_int8
 

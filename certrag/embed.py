@@ -175,7 +175,7 @@ class Embedder:
         self._torch = torch
         self._lock = threading.Lock()
         model = AutoModel.from_pretrained(str(self.model_dir), local_files_only=True, dtype=torch.float32)
-        self._model = prepare(model, self.backend.backend)
+        self._model = prepare(model, self.backend.backend, per_text=pad_grid > 0)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length)
         self._tokenizer.no_padding()  # batches are padded by backends.padded, to a grid, after sorting by length

@@ -78,7 +78,8 @@ class CrossEncoderReranker:
         self.skip_rule = self.card.get("skip_rule")
         self.backend = resolve(backend)
         self._model = prepare(AutoModelForSequenceClassification.from_pretrained(
-            str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32), self.backend.backend)
+            str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32), self.backend.backend,
+            per_text=pad_grid > 0)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         # longest_first trims the passage as only_second would whenever the question is the shorter of the two, and
         # trims a question longer than its passage instead of failing ("Second sequence not long enough")

@@ -13,6 +13,7 @@ what each layer buys; the filter's false positives on the bundled corpus are cou
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 
 QUESTION_TYPES = ("open", "multiple_choice", "yes_no")
@@ -60,9 +61,19 @@ _INSTRUCTION = re.compile("|".join([
 _SENTENCE = re.compile(r"\s*[^.!?\n]*(?:[.!?]+|\n|$)")
 
 
+def normalise_passage(text: str) -> str:
+    """NFKC (fullwidth and compatibility forms folded: 'SYSTEM\uff1a' is 'SYSTEM:') with format characters removed
+    (zero-width spaces and joiners, bidi controls: 'Ig\u200bnore' is 'Ignore'), so that what a passage says is what
+    both the filter and the reader see, and no invisible character splits a word."""
+    text = unicodedata.normalize("NFKC", text)
+    return "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
+
+
 def strip_instructions(text: str) -> tuple[str, int]:
-    """The passage with every sentence that gives orders to the model reading it replaced by REMOVED, and how many
-    were. Sentences are cut at . ! ? and line ends; everything else, white space included, is kept as written."""
+    """The passage (normalise_passage) with every sentence that gives orders to the model reading it replaced by
+    REMOVED, and how many were. Sentences are cut at . ! ? and line ends; everything else, white space included, is
+    kept as written."""
+    text = normalise_passage(text)
     out, removed = [], 0
     for m in _SENTENCE.finditer(text):
         piece = m.group(0)
