@@ -61,12 +61,28 @@ _INSTRUCTION = re.compile("|".join([
 _SENTENCE = re.compile(r"\s*[^.!?\n]*(?:[.!?]+|\n|$)")
 
 
+# Cyrillic and Greek letters drawn like Latin ones (Unicode's confusables, the common ones): folded to Latin only
+# inside a word that also holds an ASCII letter, where mixing scripts is a spoofing sign (UTS #39); words wholly in
+# Cyrillic or Greek are left as they are.
+_CONFUSABLE = str.maketrans({
+    "\u0430": "a", "\u0435": "e", "\u043e": "o", "\u0440": "p", "\u0441": "c", "\u0443": "y", "\u0445": "x",
+    "\u0456": "i", "\u0458": "j", "\u0455": "s", "\u0501": "d", "\u04bb": "h", "\u0410": "A", "\u0412": "B",
+    "\u0415": "E", "\u041a": "K", "\u041c": "M", "\u041d": "H", "\u041e": "O", "\u0420": "P", "\u0421": "C",
+    "\u0422": "T", "\u0425": "X", "\u0406": "I", "\u0408": "J", "\u0405": "S", "\u03bf": "o", "\u039f": "O",
+    "\u03b1": "a", "\u0391": "A", "\u0392": "B", "\u0395": "E", "\u0397": "H", "\u0399": "I", "\u039a": "K",
+    "\u039c": "M", "\u039d": "N", "\u03a1": "P", "\u03a4": "T", "\u03a7": "X", "\u03a5": "Y", "\u0396": "Z",
+    "\u03bd": "v", "\u03b9": "i"})
+_MIXED_WORD = re.compile(r"\w*[A-Za-z]\w*")
+
+
 def normalise_passage(text: str) -> str:
     """NFKC (fullwidth and compatibility forms folded: 'SYSTEM\uff1a' is 'SYSTEM:') with format characters removed
-    (zero-width spaces and joiners, bidi controls: 'Ig\u200bnore' is 'Ignore'), so that what a passage says is what
-    both the filter and the reader see, and no invisible character splits a word."""
+    (zero-width spaces and joiners, bidi controls: 'Ig\u200bnore' is 'Ignore') and look-alike Cyrillic or Greek
+    letters inside a Latin word folded ('Ign\u043ere' is 'Ignore'), so that what a passage says is what both the
+    filter and the reader see, and no invisible or borrowed character splits a word."""
     text = unicodedata.normalize("NFKC", text)
-    return "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
+    text = "".join(ch for ch in text if unicodedata.category(ch) != "Cf")
+    return _MIXED_WORD.sub(lambda m: m.group(0).translate(_CONFUSABLE), text)
 
 
 def strip_instructions(text: str) -> tuple[str, int]:
