@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
@@ -36,11 +37,16 @@ class _Commands(click.Group):
             message = " ".join(str(exc).split()) or type(exc).__name__
             raise click.ClickException(message) from None
         except KeyboardInterrupt:
+            import signal
+
             from certrag.backends import drain_passes
 
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the drain is bounded; a second Ctrl-C must not cut it
             drain_passes()
             click.echo("interrupted: nothing was half-written (a store changes only by a whole new version)", err=True)
-            ctx.exit(130)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)  # now: the interpreter's finalisation has nothing left to do for an interrupted command
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})

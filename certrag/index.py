@@ -12,6 +12,7 @@ Conventions:
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -213,8 +214,10 @@ class HnswIndex:
         first add() copies them into memory.
         """
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no index file at {path}")
-        if not os.path.isfile(path):  # a folder, a FIFO or a device: refused before anything opens it
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:  # also when a writer replaced its version meanwhile: the store reader retries
+            raise FileNotFoundError(f"no index file at {path}") from None
+        if not stat.S_ISREG(mode):  # a folder, a FIFO or a device: refused before anything opens it
             raise IndexFormatError(f"{path} is not a regular file")
         return cls(0, _native=_core.HnswIndex.load(path, bool(mmap)))
