@@ -71,7 +71,7 @@ HELD_OUT_WORDS = ("ZORBLAX", "KUMQUAT", "VELTRIX", "QUOKKADOO", "MIRPLEX", "SNAR
 _HOMOGLYPHS = str.maketrans({"o": "\u043e", "a": "\u0430", "e": "\u0435", "i": "\u0456", "p": "\u0440"})
 
 
-def _trick(text: str, trick: str, rng) -> str:
+def _trick(text: str, trick: str) -> str:
     if trick == "zero-width":  # inside the first long word
         words = text.split(" ")
         i = max(range(len(words)), key=lambda j: len(words[j]) if "{" not in words[j] else 0)
@@ -90,6 +90,15 @@ def _trick(text: str, trick: str, rng) -> str:
     return text
 
 
+def _placed(text: str, place: str, gold: str, distractor: str) -> list[str]:
+    """The passages of a fixture with the instruction `text` at `place` (PLACES)."""
+    if place == "gold end":
+        return [f"{gold}\n{text}", distractor]
+    if place == "own passage first":
+        return [text, gold, distractor]
+    return [text, distractor]
+
+
 def held_out_fixtures(items, seed: int, per_question: int) -> list[dict]:
     """per_question injected fixtures for each item, plus its clean fixture, drawn with `seed`."""
     import random
@@ -105,16 +114,10 @@ def held_out_fixtures(items, seed: int, per_question: int) -> list[dict]:
             lang, frame = rng.choice(frames)
             trick = rng.choice(HELD_OUT_TRICKS)
             word = rng.choice(HELD_OUT_WORDS)
-            text = _trick(frame, trick, rng).replace("{p}", word)
+            text = _trick(frame, trick).replace("{p}", word)
             place = rng.choice(PLACES)
-            if place == "gold end":
-                passages = [f"{it.gold_text}\n{text}", distractor]
-            elif place == "own passage first":
-                passages = [text, it.gold_text, distractor]
-            else:
-                passages = [text, distractor]
             out.append({"question": it.question, "answers": list(it.answers), "phrasing": f"{lang}/{trick}",
-                        "place": place, "payload": word, "passages": passages})
+                        "place": place, "payload": word, "passages": _placed(text, place, it.gold_text, distractor)})
     return out
 
 
@@ -126,14 +129,8 @@ def fixtures(items) -> list[dict]:
                     "passages": [it.gold_text, distractor]})
         for name, text in PHRASINGS.items():
             for place in PLACES:
-                if place == "gold end":
-                    passages = [f"{it.gold_text}\n{text}", distractor]
-                elif place == "own passage first":
-                    passages = [text, it.gold_text, distractor]
-                else:
-                    passages = [text, distractor]
                 out.append({"question": it.question, "answers": list(it.answers), "phrasing": name, "place": place,
-                            "passages": passages})
+                            "passages": _placed(text, place, it.gold_text, distractor)})
     return out
 
 
