@@ -12,6 +12,7 @@ or on this object is set or restored per call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -364,22 +365,15 @@ class LocalLLM:
                     mean_logprob=_mean(logprobs), token_ids=tuple(new), token_logprobs=logprobs))
         return results
 
+    @contextlib.contextmanager
     def _threads(self):
         """torch on `num_threads` threads for the duration (restored after)."""
-        import contextlib
-
-        torch = self._torch
-
-        @contextlib.contextmanager
-        def scope():
-            previous = torch.get_num_threads()
-            torch.set_num_threads(self.num_threads)
-            try:
-                yield
-            finally:
-                torch.set_num_threads(previous)
-
-        return scope()
+        previous = self._torch.get_num_threads()
+        self._torch.set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            self._torch.set_num_threads(previous)
 
     def _decode(self, ids, mask, max_new_tokens: int, temperature: float, seed: int | None, pad: int,
                 criteria=None, cache=None):
@@ -422,8 +416,6 @@ class LocalLLM:
         return len(token_ids)
 
     def _recording(self, prompt_len: int, spans):
-        import contextlib
-
         if spans is None:
             return contextlib.nullcontext()
         from certrag.certify.lookback import Recording, record_into, register
