@@ -45,6 +45,7 @@ setup(
     packages=[*find_packages(include=["certrag", "certrag.*"]), "certrag.kernels"],
     package_data={"certrag.segment": ["data/*.safetensors", "data/*.json"],
                   "certrag.certify": ["models/*.json"],
+                  "certrag.data": ["nq-open-oracle.jsonl.gz", "NQ-OPEN-NOTICE.md"],
                   "certrag.serve": ["static/*.html"],
                   "certrag": ["_core.pyi", "py.typed", "reranker/*.json", "reranker/*.safetensors",
                               "reranker-l3/*.json", "reranker-l3/*.safetensors"]},

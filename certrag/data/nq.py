@@ -38,16 +38,13 @@ def passage_text(title: str, text: str) -> str:
     return f"{title}\n{text}" if title else text
 
 
+BUNDLED = Path(__file__).resolve().parent / "nq-open-oracle.jsonl.gz"  # shipped with certrag: NQ-OPEN-NOTICE.md
+
+
 def default_path() -> Path:
+    """$CERTRAG_NQ_PATH when set (a copy of the same file elsewhere), else the file shipped in the package."""
     env = os.environ.get("CERTRAG_NQ_PATH")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent.parent / "shared" / "data" / "nq-open-oracle.jsonl.gz"
-        if candidate.exists():
-            return candidate
-    raise FileNotFoundError("nq-open-oracle.jsonl.gz not found: set CERTRAG_NQ_PATH")
+    return Path(env) if env else BUNDLED
 
 
 def load_nq_open(path: str | os.PathLike | None = None, split: str | None = None) -> list[QAItem]:

