@@ -56,8 +56,14 @@ def worker(mode: str, length: int, tokens: int, model_name: str, real: bool, rep
     from certrag.llm import LocalLLM
     from certrag.certify.lookback import recording
 
-    llm = LocalLLM(model_name)
-    model, cfg = llm.model, llm.model.config
+    from transformers import AutoModelForCausalLM
+
+    from certrag.llm.models import converted_model_dir
+
+    llm = LocalLLM(model_name)  # its tokenizer; the transformers model is what this benchmark's recorder measures
+    model = AutoModelForCausalLM.from_pretrained(str(converted_model_dir(model_name)), local_files_only=True,
+                                                 attn_implementation="sdpa").eval()
+    cfg = model.config
     stamps = []
 
     class Stamp(LogitsProcessor):

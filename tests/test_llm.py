@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("gguf")
 
-from certrag.llm import LocalLLM, converted_model_dir  # noqa: E402
+from certrag.llm import LocalLLM  # noqa: E402
 from certrag.llm.models import BUNDLED_MODELS  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -16,15 +16,26 @@ def llm(smollm):
     return smollm
 
 
-def test_conversion_keeps_the_gguf_weights_exactly(llm):
+def test_the_float32_reference_is_the_gguf_exactly_and_q8_stays_close(llm):
+    """The engine's float32 weights are the GGUF's blocks de-quantised exactly (oracle: transformers' own GGUF
+    loader); the q8 cache it serves from stays within its rounding of them and picks the same next token."""
     from transformers import AutoModelForCausalLM
+
+    from certrag.llm.decoder import Decoder, KVCache
+    from certrag.llm.weights import bundled_gguf_weights, load_q8, q8_cache_dir
 
     part = BUNDLED_MODELS[MODEL].gguf_parts()[0]
     reference = AutoModelForCausalLM.from_pretrained(str(part.parent), gguf_file=part.name).eval()
-    ids = torch.tensor([llm.prompt_ids([{"role": "user", "content": "Name a colour."}])])
+    ids = llm.prompt_ids([{"role": "user", "content": "Name a colour."}])
     with torch.inference_mode():
-        torch.testing.assert_close(llm.model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
-    assert (converted_model_dir(MODEL) / "config.json").exists()
+        want = reference(torch.tensor([ids])).logits[0, -1]
+        for weights, tol in ((bundled_gguf_weights(MODEL, "float32"), 1e-3), (load_q8(q8_cache_dir(MODEL)), 2.0)):
+            decoder = Decoder(weights)
+            cache = KVCache.allocate(weights, len(ids))
+            got = decoder.logits(decoder.prefill(cache, ids))[0]
+            assert float((got - want).abs().max()) < tol
+            assert int(got.argmax()) == int(want.argmax())
+    assert (q8_cache_dir(MODEL) / "weights.safetensors").exists()
 
 
 def test_greedy_generation_is_deterministic_and_counts_tokens(llm):
@@ -98,39 +109,56 @@ def _long_messages(items: int) -> list[dict]:
     return [{"role": "user", "content": "Which option names a colour?\n" + options}]
 
 
+def _count_passes(llm, log):
+    """Records the width of every prefill pass and every decode step of llm's engine (test-local wrappers on the
+    decoder instance, removed by the caller)."""
+    decoder = llm.engine.decoder
+    prefill, decode = decoder.prefill, decoder.decode
+    decoder.prefill = lambda cache, ids: (log.append(("prefill", len(ids))), prefill(cache, ids))[1]
+    decoder.decode = lambda caches, ids, spans: (log.append(("decode", len(ids))), decode(caches, ids, spans))[1]
+    return lambda: (delattr(decoder, "prefill"), delattr(decoder, "decode"))
+
+
 def test_a_long_prompt_is_cancelled_within_one_prefill_pass(llm):
     """A deadline or a client that left must free the model within one prompt pass: the prompt is prefilled in
-    passes of PREFILL_CHUNK tokens with cancellation checked between them (it used to be one pass over the whole
-    prompt, which ran on for minutes after the request's 504). Uncancelled, the chunked prefill gives plain
-    generate()'s greedy tokens (the oracle: transformers' own generate over the whole prompt at once)."""
+    passes of PREFILL_CHUNK tokens with cancellation checked before each (it used to be one pass over the whole
+    prompt, which ran on for minutes after the request's 504). Uncancelled, the chunked prefill gives the greedy
+    tokens of a prefill in one pass (the oracle: the decoder run by hand over the whole prompt at once)."""
+    from certrag.llm.decoder import KVCache
     from certrag.llm.local import PREFILL_CHUNK
 
     messages = _long_messages(70)
-    n = len(llm.prompt_ids(messages))
+    ids = llm.prompt_ids(messages)
+    n = len(ids)
     assert n > 2 * PREFILL_CHUNK + 1
-    widths, asked = [], []
-    hook = llm.model.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    log = []
+    restore = _count_passes(llm, log)
     try:
-        cut = llm.generate(messages, max_new_tokens=8, cancelled=lambda: asked.append(1) or len(widths) >= 1)
+        polls = []
+        cut = llm.generate(messages, max_new_tokens=8, cancelled=lambda: polls.append(1) or len(polls) > 1)
     finally:
-        hook.remove()
+        restore()
     assert cut.finish_reason == "cancelled" and cut.output_tokens == 0
-    assert widths == [PREFILL_CHUNK]  # one pass, then the cancellation was seen
+    assert log == [("prefill", PREFILL_CHUNK)]  # one pass, then the cancellation was seen
 
     whole = llm.generate(messages, max_new_tokens=6)
-    ids = torch.tensor([llm.prompt_ids(messages)])
+    decoder = llm.engine.decoder
+    cache = KVCache.allocate(decoder.w, n + 6)
     with torch.inference_mode():
-        ref = llm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                                 temperature=None, top_p=None, top_k=None)
-    assert list(whole.token_ids) == ref[0, n:].tolist()
+        token = int(decoder.logits(decoder.prefill(cache, ids))[0].argmax())
+        ref = [token]
+        for _ in range(5):
+            ref.append(int(decoder.decode([cache], [ref[-1]], [None])[0].argmax()))
+    eos = set(decoder.c.eos_ids)
+    stop = next((i for i, t in enumerate(ref) if t in eos), None)
+    assert list(whole.token_ids) == (ref if stop is None else ref[:stop + 1])
 
 
 def test_a_prompt_past_the_context_is_refused_before_any_work(llm):
     from certrag.llm.local import PromptTooLong
 
     calls = []
-    hook = llm.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    restore = _count_passes(llm, calls)
     try:
         with pytest.raises(PromptTooLong, match=f"context of {llm.context_length} tokens"):
             llm.generate(_long_messages(900), max_new_tokens=8)
@@ -140,7 +168,7 @@ def test_a_prompt_past_the_context_is_refused_before_any_work(llm):
         with pytest.raises(PromptTooLong):
             llm.generate_batch([MESSAGES_SHORT, _long_messages(900)], max_new_tokens=8)
     finally:
-        hook.remove()
+        restore()
     assert calls == []
     assert issubclass(PromptTooLong, ValueError)  # the service's 400
 

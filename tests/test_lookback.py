@@ -147,8 +147,7 @@ def test_recorded_answer_with_the_real_small_model(smollm):
     assert rec.text == plain.text and rec.output_tokens == plain.output_tokens
     f = rec.lookback
     assert isinstance(f, LookbackFeatures) and f.steps == rec.output_tokens - 1
-    cfg = smollm.model.config
-    assert f.chunks.shape == (cfg.num_hidden_layers, cfg.num_attention_heads)
+    assert f.chunks.shape == (smollm.config.layers, smollm.config.heads)
     assert len(f.chunk_spans) == 2 and np.all((f.chunks > 0) & (f.chunks < 1))
     ids = smollm.prompt_ids(messages)
     for (a, b), p in zip(f.chunk_spans, passages):
@@ -165,11 +164,11 @@ def test_answer_confidence_from_the_recorded_generation(tmp_path, smollm):
     docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:15]]
     config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=4, rerank=False),
                           selection=SelectionConfig(method="topk", k=2))
-    cfg = smollm.model.config
-    n = cfg.num_hidden_layers * cfg.num_attention_heads
+    layers, heads = smollm.config.layers, smollm.config.heads
+    n = layers * heads
     rng = np.random.default_rng(0)
-    clf = FactualityClassifier(model="smollm2-135m-instruct", kind="chunks", layers=cfg.num_hidden_layers,
-                               heads=cfg.num_attention_heads, mean=np.full(n, 0.5), scale=np.full(n, 0.1),
+    clf = FactualityClassifier(model="smollm2-135m-instruct", kind="chunks", layers=layers,
+                               heads=heads, mean=np.full(n, 0.5), scale=np.full(n, 0.1),
                                coef=rng.normal(size=n) / n, intercept=0.1, card={})
     question = f"What is {docs[2]['id'][5:]}?"
     with Engine.build(docs, tmp_path / "s", config, progress=False) as engine:

@@ -164,13 +164,14 @@ def _tiny_llm(tmp_path, extra_tokens=()):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from certrag.llm import LocalLLM
-    from certrag.llm.models import BUNDLED_MODELS, converted_model_dir
+    from certrag.llm.models import BUNDLED_MODELS
+    from certrag.llm.weights import q8_cache_dir
 
     try:
         BUNDLED_MODELS["smollm2-135m-instruct"].gguf_parts()
     except RuntimeError as exc:
         pytest.skip(str(exc))
-    tok = AutoTokenizer.from_pretrained(str(converted_model_dir("smollm2-135m-instruct")), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(q8_cache_dir("smollm2-135m-instruct")), local_files_only=True)
     if extra_tokens:
         tok.add_tokens(list(extra_tokens), special_tokens=False)
     torch.manual_seed(0)
@@ -178,7 +179,7 @@ def _tiny_llm(tmp_path, extra_tokens=()):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    return LocalLLM(tmp_path)
+    return LocalLLM(tmp_path, weights="float32")  # the oracle below runs the same float32 weights
 
 
 @pytest.mark.parametrize("reflection", [False, True])
@@ -198,9 +199,12 @@ def test_label_probabilities_equal_a_direct_softmax(tmp_path, reflection):
             ("retrieve", critic.prompt("retrieve", "when?"))]
     assert len({len(ids) for _, ids in reqs}) > 1  # padding is exercised
     got = critic.read(reqs)
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), local_files_only=True).eval()
     for (group, ids), probs in zip(reqs, got):
         with torch.inference_mode():
-            logits = llm.model(torch.tensor([ids])).logits[0, -1].double()
+            logits = reference(torch.tensor([ids])).logits[0, -1].double()
         direct = torch.softmax(logits, -1)
         want = [float(direct[t]) for t in critic.label_ids[group]]
         np.testing.assert_allclose([probs[group][lab] for lab in GROUPS[group]], want, rtol=1e-4, atol=1e-12)

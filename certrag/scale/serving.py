@@ -259,9 +259,10 @@ class RemoteLLM:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            from certrag.llm.models import BUNDLED_MODELS, converted_model_dir
+            from certrag.llm.models import BUNDLED_MODELS
+            from certrag.llm.weights import q8_cache_dir
 
-            path = converted_model_dir(self.name) if self.name in BUNDLED_MODELS else Path(self.path)
+            path = q8_cache_dir(self.name) if self.name in BUNDLED_MODELS else Path(self.path)
             self._tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         return self._tokenizer
 

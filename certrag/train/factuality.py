@@ -252,14 +252,8 @@ def train_factuality(model: str, out: str | Path, *, questions: int = 400, k: in
         if examples is not None:
             save_examples(examples, data, meta)
     if llm is None:
-        from transformers import AutoConfig
-
-        from certrag.llm.models import BUNDLED_MODELS, converted_model_dir
-
-        path = converted_model_dir(model) if model in BUNDLED_MODELS else Path(model)
-        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    else:
-        cfg = llm.model.config
+        llm = LocalLLM(model)
+    layers, heads = llm.config.layers, llm.config.heads
     keep = np.isfinite(data[kind]).all(1)
     card = {"data": f"NQ-open train split, first {len(items)} questions; {k} passages each (gold for half, "
                     "MiniLM-nearest other NQ gold passages as distractors)",
@@ -267,8 +261,8 @@ def train_factuality(model: str, out: str | Path, *, questions: int = 400, k: in
             "features": f"{kind} lookback ratios, one per (layer, head), averaged over decode steps",
             "remake": f"certrag train-factuality --model {model} --questions {questions}",
             "made": time.strftime("%Y-%m-%d", time.gmtime())}
-    clf, _ = fit(data[kind][keep], data["label"][keep], model=model, kind=kind, layers=cfg.num_hidden_layers,
-                 heads=cfg.num_attention_heads, card=card)
+    clf, _ = fit(data[kind][keep], data["label"][keep], model=model, kind=kind, layers=layers,
+                 heads=heads, card=card)
     clf.save(out)
     return clf
 

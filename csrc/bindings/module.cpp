@@ -8,11 +8,14 @@
 #include <sstream>
 #include <string_view>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "certrag/checksum.h"
 #include "certrag/distance.h"
 #include "certrag/hnsw.h"
 #include "certrag/pair_scorer.h"
+#include "certrag/q8_matmul.h"
 
 namespace py = pybind11;
 using certrag::HnswIndex;
@@ -79,6 +82,29 @@ certrag::Metric parse_metric(const std::string& name) {
   throw py::value_error("metric must be 'ip', 'l2' or 'cosine'; got '" + name + "'");
 }
 
+using Int8Array = py::array_t<std::int8_t, py::array::c_style>;
+
+// Requires a C-contiguous int8 array of shape (n, k); returns (n, k).
+std::pair<std::size_t, std::size_t> check_int8_matrix(const py::array& a, const char* name) {
+  if (!py::isinstance<Int8Array>(a) || !(a.flags() & py::array::c_style) || a.ndim() != 2) {
+    std::ostringstream s;
+    s << name << " must be a C-contiguous int8 array of shape (n, k); got " << py::str(a.dtype()).cast<std::string>()
+      << " of shape " << shape_text(a);
+    throw py::value_error(s.str());
+  }
+  return {static_cast<std::size_t>(a.shape(0)), static_cast<std::size_t>(a.shape(1))};
+}
+
+void check_q8_weights(const py::array& q, const py::array& scales, std::size_t& n, std::size_t& k) {
+  std::tie(n, k) = check_int8_matrix(q, "q");
+  if (k == 0 || k % certrag::kQ8Group != 0)
+    throw py::value_error("q's columns must be a positive multiple of " + std::to_string(certrag::kQ8Group) +
+                          "; got shape " + shape_text(q));
+  if (check_matrix(scales, "scales", k / certrag::kQ8Group) != n)
+    throw py::value_error("scales must have shape (" + std::to_string(n) + ", " +
+                          std::to_string(k / certrag::kQ8Group) + "); got " + shape_text(scales));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -143,6 +169,81 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("a"), py::arg("b"), py::arg("kind"), py::arg("level"),
       "Row-wise dot or squared L2 with the kernel of one SIMD level (for tests).");
+
+  m.def(
+      "q8_matmul",
+      [](const py::array& x, const py::array& q, const py::array& scales, py::object out, int num_threads,
+         const std::string& level) {
+        std::size_t n = 0, k = 0;
+        check_q8_weights(q, scales, n, k);
+        const std::size_t rows = check_matrix(x, "x", k);
+        FloatArray y;
+        if (out.is_none()) {
+          y = FloatArray({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(n)});
+        } else {
+          y = out.cast<FloatArray>();
+          if (!py::isinstance<FloatArray>(out) || check_matrix(y, "out", n) != rows)
+            throw py::value_error("out must be a C-contiguous float32 array of shape (" + std::to_string(rows) +
+                                  ", " + std::to_string(n) + ")");
+          if (y.data() == x.data()) throw py::value_error("out must not be x");
+        }
+        if (num_threads < 1) throw py::value_error("num_threads must be at least 1; got " + std::to_string(num_threads));
+        const auto lv = parse_level(level);
+        if (!certrag::cpu_supports(lv)) throw py::value_error("this CPU does not support " + level);
+        const float* px = static_cast<const float*>(x.data());
+        const auto* pq = static_cast<const std::int8_t*>(q.data());
+        const float* ps = static_cast<const float*>(scales.data());
+        float* py_ = y.mutable_data();
+        {
+          py::gil_scoped_release release;
+          certrag::q8_matmul_at(lv, rows, n, k, px, pq, ps, py_, num_threads);
+        }
+        return y;
+      },
+      py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("out") = py::none(), py::arg("num_threads") = 1,
+      py::arg("level") = "auto",
+      "x (m, k) float32 times W^T for W = q (n, k) int8 with one float32 scale per row and 32 columns: (m, n). "
+      "Each output element is computed the same way whatever m and num_threads are (batch invariant).");
+
+  m.def(
+      "q8_quantize",
+      [](const py::array& w, int num_threads) {
+        if (!py::isinstance<FloatArray>(w) || !(w.flags() & py::array::c_style) || w.ndim() != 2 ||
+            w.shape(1) == 0 || w.shape(1) % static_cast<py::ssize_t>(certrag::kQ8Group) != 0)
+          throw py::value_error("w must be a C-contiguous float32 array of shape (n, k) with k a positive multiple of " +
+                                std::to_string(certrag::kQ8Group) + "; got " + py::str(w.dtype()).cast<std::string>() +
+                                " of shape " + shape_text(w));
+        const auto n = static_cast<std::size_t>(w.shape(0)), k = static_cast<std::size_t>(w.shape(1));
+        Int8Array q({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(k)});
+        FloatArray scales({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(k / certrag::kQ8Group)});
+        const float* pw = static_cast<const float*>(w.data());
+        std::int8_t* pq = q.mutable_data();
+        float* ps = scales.mutable_data();
+        {
+          py::gil_scoped_release release;
+          certrag::q8_quantize(n, k, pw, pq, ps, num_threads);
+        }
+        return py::make_tuple(q, scales);
+      },
+      py::arg("w"), py::arg("num_threads") = 1,
+      "float32 W (n, k) -> (q int8 (n, k), scales float32 (n, k / 32)), symmetric, per group of 32 columns.");
+
+  m.def(
+      "q8_dequantize",
+      [](const py::array& q, const py::array& scales, int num_threads) {
+        std::size_t n = 0, k = 0;
+        check_q8_weights(q, scales, n, k);
+        FloatArray w({static_cast<py::ssize_t>(n), static_cast<py::ssize_t>(k)});
+        const auto* pq = static_cast<const std::int8_t*>(q.data());
+        const float* ps = static_cast<const float*>(scales.data());
+        float* pw = w.mutable_data();
+        {
+          py::gil_scoped_release release;
+          certrag::q8_dequantize(n, k, pq, ps, pw, num_threads);
+        }
+        return w;
+      },
+      py::arg("q"), py::arg("scales"), py::arg("num_threads") = 1, "q8_quantize's inverse: float32 (n, k).");
 
   py::class_<certrag::PairScorer>(m, "PairScorer")
       .def(py::init([](const py::array& w1, const py::array& b1, const py::array& w2, float b2,

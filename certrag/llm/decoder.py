@@ -1,0 +1,203 @@
+"""The forward passes of a Qwen2 / Llama decoder, owned by certrag: prefill of one sequence's prompt chunk, and one
+decode step for a batch of sequences, each with its own KV cache.
+
+Batch invariance is by construction, not by tolerance: the matrix products go through the q8 kernel, whose outputs
+are computed the same way whatever rows share a call; norms, rotary embeddings and activations are row-wise; and
+attention runs per sequence over that sequence's own cache. So a sequence's logits do not depend on what it is
+decoded beside (tests/test_decode_engine.py checks tokens and logits bit for bit). The float32 format's products
+go through torch's GEMM, which promises no such thing: it is the quality reference, not the served path.
+
+Attention at decode is computed explicitly (scores, softmax, weights times values) rather than by a fused SDPA
+call, so the lookback recorder reads the very weights the output is made from: recording adds one small product per
+layer (the weights times a span-indicator matrix) and changes no token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from certrag.llm.weights import DecoderWeights
+
+
+@dataclass
+class KVCache:
+    """One sequence's keys and values: (layers, kv_heads, capacity, head_dim) float32 each, filled to `length`."""
+
+    k: object
+    v: object
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, weights: DecoderWeights, capacity: int) -> "KVCache":
+        import torch
+
+        c = weights.config
+        shape = (c.layers, c.kv_heads, capacity, c.head_dim)
+        return cls(k=torch.empty(shape), v=torch.empty(shape))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass
+class Spans:
+    """What a recording sequence's decode steps measure: the masses of [prompt, new, chunk_1..n] per (layer, head).
+    masses[step] is float32 (layers, heads, 2 + n_chunks), as certrag.certify.lookback.Recording keeps them."""
+
+    prompt_len: int
+    chunks: list[tuple[int, int]]
+    masses: list[np.ndarray] = field(default_factory=list)
+
+    def indicator(self, length: int):
+        """(length, 2 + n_chunks) float32: column s is 1 on the positions of span s at this cache length."""
+        import torch
+
+        ind = torch.zeros(length, 2 + len(self.chunks))
+        ind[:self.prompt_len, 0] = 1
+        ind[self.prompt_len:length, 1] = 1
+        for i, (a, b) in enumerate(self.chunks):
+            ind[a:b, 2 + i] = 1
+        return ind
+
+
+class Decoder:
+    """The model's arithmetic over DecoderWeights; holds no per-sequence state (that is each sequence's KVCache)."""
+
+    def __init__(self, weights: DecoderWeights, *, num_threads: int = 1) -> None:
+        import torch
+
+        self.w = weights
+        self.c = weights.config
+        self.num_threads = num_threads
+        self._torch = torch
+        half = self.c.head_dim // 2
+        inv = 1.0 / (self.c.rope_theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+        self._inv_freq = inv  # angles are made per position in float64, then rounded once, as transformers does
+        self._rope_cache: tuple[int, object, object] = (0, None, None)
+
+    # -- building blocks ------------------------------------------------------------------------------------------
+
+    def _rms(self, x, weight):
+        torch = self._torch
+        var = x.pow(2).mean(-1, keepdim=True)
+        return x * torch.rsqrt(var + self.c.rms_eps) * weight
+
+    def _cos_sin(self, positions):
+        """cos, sin (len(positions), head_dim / 2) float32 for integer positions."""
+        torch = self._torch
+        need = int(positions.max()) + 1
+        n, cos, sin = self._rope_cache
+        if need > n:
+            n = max(need, 2 * n, 512)
+            ang = torch.arange(n, dtype=torch.float64)[:, None] * self._inv_freq[None, :]
+            cos, sin = ang.cos().float(), ang.sin().float()
+            self._rope_cache = (n, cos, sin)
+        return cos[positions], sin[positions]
+
+    def _rope(self, x, cos, sin):
+        """x (T, heads, head_dim) rotated at its rows' positions (cos / sin: (T, head_dim / 2))."""
+        torch = self._torch
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        if self.c.rope_pairs == "halves":
+            h = x.shape[-1] // 2
+            a, b = x[..., :h], x[..., h:]
+            return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+    def _qkv(self, layer, h, positions):
+        c = self.c
+        qkv = layer.qkv(h, self.num_threads)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        nq, nk = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        T = h.shape[0]
+        q = qkv[:, :nq].reshape(T, c.heads, c.head_dim)
+        k = qkv[:, nq:nq + nk].reshape(T, c.kv_heads, c.head_dim)
+        v = qkv[:, nq + nk:].reshape(T, c.kv_heads, c.head_dim)
+        cos, sin = self._cos_sin(positions)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _mlp(self, layer, x):
+        torch = self._torch
+        h = self._rms(x, layer.ffn_norm)
+        gu = layer.gate_up(h.contiguous(), self.num_threads)
+        gate, up = gu[:, :self.c.ffn], gu[:, self.c.ffn:]
+        return x + layer.down((torch.nn.functional.silu(gate) * up).contiguous(), self.num_threads)
+
+    def logits(self, hidden):
+        """hidden (M, hidden) after the last layer -> float32 logits (M, vocab)."""
+        return self.w.head(self._rms(hidden, self.w.final_norm).contiguous(), self.num_threads)
+
+    # -- prefill ------------------------------------------------------------------------------------------------
+
+    def prefill(self, cache: KVCache, ids: list[int]):
+        """Appends ids (one chunk of one sequence's prompt) to its cache; returns the last position's hidden state
+        (1, hidden). Positions continue from cache.length."""
+        torch = self._torch
+        c = self.c
+        start, T = cache.length, len(ids)
+        end = start + T
+        if end > cache.capacity:
+            raise ValueError(f"the cache holds {cache.capacity} positions; {end} asked for")
+        positions = torch.arange(start, end)
+        x = self.w.embed.rows(ids)
+        group = c.heads // c.kv_heads
+        # query t (absolute position start + t) sees keys 0 .. start + t
+        mask = torch.ones(T, end, dtype=torch.bool).tril(diagonal=start)
+        for i, layer in enumerate(self.w.layers):
+            h = self._rms(x, layer.attn_norm).contiguous()
+            q, k, v = self._qkv(layer, h, positions)
+            cache.k[i, :, start:end] = k.transpose(0, 1)
+            cache.v[i, :, start:end] = v.transpose(0, 1)
+            keys = cache.k[i, :, :end].repeat_interleave(group, dim=0)[None]
+            values = cache.v[i, :, :end].repeat_interleave(group, dim=0)[None]
+            att = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
+                                                                   attn_mask=mask)
+            att = att[0].transpose(0, 1).reshape(T, c.heads * c.head_dim).contiguous()
+            x = x + layer.o(att, self.num_threads)
+            x = self._mlp(layer, x)
+        cache.length = end
+        return x[-1:]
+
+    # -- decode ---------------------------------------------------------------------------------------------------
+
+    def decode(self, caches: list[KVCache], ids: list[int], spans: list[Spans | None]):
+        """One step for a batch: sequence r's token ids[r] goes in at position caches[r].length. Returns float32
+        logits (B, vocab). For a row with spans, the step's span masses are appended to spans[r].masses."""
+        torch = self._torch
+        c = self.c
+        B = len(ids)
+        positions = torch.tensor([cache.length for cache in caches])
+        if any(cache.length >= cache.capacity for cache in caches):
+            raise ValueError("a sequence's cache is full")
+        x = self.w.embed.rows(ids)
+        group = c.heads // c.kv_heads
+        scale = 1.0 / math.sqrt(c.head_dim)
+        lengths = [cache.length + 1 for cache in caches]
+        indicators = [s.indicator(n) if s is not None else None for s, n in zip(spans, lengths)]
+        step_masses = [[] if s is not None else None for s in spans]
+        for i, layer in enumerate(self.w.layers):
+            h = self._rms(x, layer.attn_norm).contiguous()
+            q, k, v = self._qkv(layer, h, positions)
+            outs = []
+            for r, cache in enumerate(caches):
+                n = lengths[r]
+                cache.k[i, :, n - 1] = k[r]
+                cache.v[i, :, n - 1] = v[r]
+                qr = q[r].reshape(c.kv_heads, group, c.head_dim) * scale
+                w = torch.softmax(torch.matmul(qr, cache.k[i, :, :n].transpose(-1, -2)), dim=-1)  # (kv, g, n)
+                outs.append(torch.matmul(w, cache.v[i, :, :n]).reshape(c.heads * c.head_dim))
+                if indicators[r] is not None:
+                    step_masses[r].append(torch.matmul(w.reshape(c.heads, n), indicators[r]))
+            x = x + layer.o(torch.stack(outs), self.num_threads)
+            x = self._mlp(layer, x)
+        for r, cache in enumerate(caches):
+            cache.length = lengths[r]
+            if step_masses[r] is not None:
+                spans[r].masses.append(torch.stack(step_masses[r]).numpy())
+        return self.logits(x)
