@@ -283,24 +283,18 @@ def releasing(fn, gate: Gate):
 
 
 class GenerationQueue(Gate):
-    """At most `depth` generations queued or running; the model runs one at a time, in arrival order. A waiting
-    request whose cancel event is set leaves the queue without running."""
+    """At most `depth` generations admitted (queued in the model's engine or running); the next gets 429. There is
+    no model lock: a LocalLLM's decode engine batches concurrent generations into shared decode steps, and a remote
+    model serves its own concurrency. A request whose cancel event is set before it starts does not start."""
 
     def __init__(self, depth: int, metrics: Metrics) -> None:
         super().__init__(depth, "the generation queue", metrics.queue, metrics.rejected)
-        self._model = threading.Lock()
 
     def run(self, fn, cancel: threading.Event):
-        """fn() on the model, after the requests ahead of it; raises Cancelled when cancelled while waiting."""
-        while not self._model.acquire(timeout=0.05):
-            if cancel.is_set():
-                raise Cancelled()
-        try:
-            if cancel.is_set():
-                raise Cancelled()
-            return fn()
-        finally:
-            self._model.release()
+        """fn() now, on the calling thread; raises Cancelled when already cancelled."""
+        if cancel.is_set():
+            raise Cancelled()
+        return fn()
 
 
 # ------------------------------------------------------------------------------------------------------ the app
