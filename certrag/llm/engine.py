@@ -18,10 +18,12 @@ no lock is held across a request.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +33,16 @@ import numpy as np
 from certrag.llm.decoder import Decoder, KVCache, Spans
 
 log = logging.getLogger(__name__)
+
+_open_engines: "weakref.WeakSet[DecodeEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """A scheduler thread still inside torch when the interpreter finalises aborts the process ("terminate called
+    without an active exception"): every started engine is stopped and joined first."""
+    for engine in list(_open_engines):
+        engine.close()
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,7 @@ class DecodeEngine:
 
         self._thread = threading.Thread(target=run, name="certrag-decode", daemon=True)
         self._thread.start()
+        _open_engines.add(self)
         ready.wait()
         torch.set_num_threads(before)  # the process default again, as it was
 
