@@ -314,6 +314,31 @@ def test_overload_gets_429_with_retry_after_and_no_5xx(server):
     assert all(ra for s, ra in statuses if s == 429)
 
 
+def test_concurrent_chats_share_decode_steps(server, request):
+    """No model lock: generations admitted together are decoded in the same steps of the engine (the server used to
+    run them one at a time). /ready reports how many sequences the engine is decoding now."""
+    if "ray" in request.node.callspec.id:
+        pytest.skip("on Ray Serve the model runs in the Generator deployment's process")
+    payloads = [{"messages": [{"role": "user", "content": f"Count from {i} to {i + 60}."}], "max_tokens": 60}
+                for i in range(3)]
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(_ready(server).get("decoding", 0))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        statuses = _at_once(server, "/v1/chat/completions", payloads)
+    finally:
+        done.set()
+        watcher.join()
+    assert [s for s, _ in statuses] == [200, 200, 200]
+    assert max(seen) >= 2, seen
+
+
 def test_retrieval_overload_gets_429_too(server):
     statuses = _at_once(server, "/v1/retrieve", [{"question": f"question number {i} about art"} for i in range(12)])
     codes = [s for s, _ in statuses]

@@ -93,6 +93,15 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(ids)
 
 
+def default_threads() -> int:
+    """2 where this process may run on two cores or more, else 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return 2 if cores >= 2 else 1
+
+
 @dataclass
 class Pending:
     """A submitted generation: result() waits for it and returns its Generation."""
@@ -108,18 +117,21 @@ class LocalLLM:
     records_lookback = True  # a capability: generate(..., record_lookback=True) works on this backend
     streams_text = True  # generate(on_text=..., cancelled=...) streams pieces and stops per token
 
-    def __init__(self, model: str | os.PathLike = DEFAULT_LLM, *, weights: str = "q8", num_threads: int = 1,
+    def __init__(self, model: str | os.PathLike = DEFAULT_LLM, *, weights: str = "q8", num_threads: int | None = None,
                  max_batch: int = 16, prefill_chunk: int = PREFILL_CHUNK) -> None:
         """model: a bundled model's name (its GGUF read from its packages, converted once to the q8 cache under
         CERTRAG_HOME) or a transformers Qwen2 / Llama folder. weights: "q8" or "float32". num_threads: threads of
-        the native matrix kernel (1 is fastest on a busy 2-core machine; measure). max_batch: sequences decoded
-        together at most."""
+        the native matrix kernel; default 2 where this process may use two cores or more (on the 2-core machines
+        it was measured on, 2 threads decode faster than 1 at every batch size: RESULTS.md), else 1. max_batch:
+        sequences decoded together at most."""
         from certrag.llm import weights as W
         from certrag.llm.decoder import Decoder
         from certrag.llm.engine import DecodeEngine
 
         if weights not in W.FORMATS:
             raise ValueError(f"weights must be one of {W.FORMATS}; got {weights!r}")
+        if num_threads is None:
+            num_threads = default_threads()
         if num_threads < 1:
             raise ValueError(f"num_threads must be at least 1; got {num_threads}")
         from transformers import AutoTokenizer

@@ -504,6 +504,10 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
         body = {"ready": ok, "model": getattr(llm, "name", None), "store": str(engine.path) if engine else None,
                 "queue": queue._count, "queue_depth": config.queue_depth, "encoder_requests": encoders._count,
                 "encoder_depth": config.encoder_depth}
+        decode = getattr(llm, "engine", None)  # a local model's decode engine (a remote one reports nothing here)
+        if decode is not None:
+            running, waiting = decode.load
+            body.update(decoding=running, decode_waiting=waiting, decode_batch_max=decode.max_rows)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics", responses={**CERTRAG_ERRORS, 200: {"content": {"text/plain": {}},
