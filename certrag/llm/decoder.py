@@ -154,10 +154,10 @@ class Decoder:
             q, k, v = self._qkv(layer, h, positions)
             cache.k[i, :, start:end] = k.transpose(0, 1)
             cache.v[i, :, start:end] = v.transpose(0, 1)
-            keys = cache.k[i, :, :end].repeat_interleave(group, dim=0)[None]
-            values = cache.v[i, :, :end].repeat_interleave(group, dim=0)[None]
-            att = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
-                                                                   attn_mask=mask)
+            # grouped-query attention over the cache as it is (no copy of the keys per query head)
+            att = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], cache.k[i, :, :end][None], cache.v[i, :, :end][None], attn_mask=mask,
+                enable_gqa=group > 1)
             att = att[0].transpose(0, 1).reshape(T, c.heads * c.head_dim).contiguous()
             x = x + layer.o(att, self.num_threads)
             x = self._mlp(layer, x)

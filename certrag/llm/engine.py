@@ -153,7 +153,7 @@ class _Sequence:
 class DecodeEngine:
     """Continuous batching over a Decoder. submit() returns a Future of a Result; generate() waits for it."""
 
-    def __init__(self, decoder: Decoder, tokenizer, *, max_batch: int = 16, prefill_chunk: int = 256,
+    def __init__(self, decoder: Decoder, tokenizer, *, max_batch: int = 16, prefill_chunk: int = 64,
                  max_waiting: int = 1024) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1; got {max_batch}")
@@ -173,6 +173,8 @@ class DecodeEngine:
         self._closed = False
         self.steps = 0  # decode steps run (for tests and metrics)
         self.max_rows = 0  # the most sequences one decode step has carried
+        self.decoded = 0  # tokens made by decode steps (first tokens come from prefill)
+        self.decode_seconds = 0.0  # time spent in decode steps
 
     # -- the callers' side --------------------------------------------------------------------------------------
 
@@ -265,8 +267,11 @@ class DecodeEngine:
             self._prefill_chunk(pending)
         rows = [s for s in live if s.decoding and s.tokens and not s.future.done() and s is not pending]
         if rows:
+            started = time.perf_counter()
             logits = self.decoder.decode([s.cache for s in rows], [s.tokens[-1] for s in rows],
                                          [s.spans for s in rows])
+            self.decode_seconds += time.perf_counter() - started
+            self.decoded += len(rows)
             self.steps += 1
             self.max_rows = max(self.max_rows, len(rows))
             for i, seq in enumerate(rows):

@@ -66,8 +66,10 @@ class TextStream:
                 self.generation = pending.result()
 
 
-PREFILL_CHUNK = 256  # prompt tokens per prefill pass: cancellation, deadlines and other sequences' decode steps
-# are served between passes
+# Prompt tokens per prefill pass. Cancellation, deadlines and other sequences' decode steps are served between
+# passes; prefill throughput is flat from 64 to 512 tokens a pass on 2 cores, while a decode step beside a prefill
+# waits one pass (0.26 s at 64, 1 s at 256).
+PREFILL_CHUNK = 64
 
 
 class PromptTooLong(ValueError):
