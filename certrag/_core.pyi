@@ -15,6 +15,14 @@ def distance(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32], kind: str, 
              ) -> npt.NDArray[np.float32]:
     """Row-wise dot or squared L2 with the kernel of one SIMD level (for tests)."""
 
+def q8_matmul(x: npt.NDArray[np.float32], q: npt.NDArray[np.int8], scales: npt.NDArray[np.float32],
+              out: npt.NDArray[np.float32] | None = None, num_threads: int = 1, level: str = "auto"
+              ) -> npt.NDArray[np.float32]: ...
+def q8_quantize(w: npt.NDArray[np.float32], num_threads: int = 1
+                ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]: ...
+def q8_dequantize(q: npt.NDArray[np.int8], scales: npt.NDArray[np.float32], num_threads: int = 1
+                  ) -> npt.NDArray[np.float32]: ...
+
 class PairScorer:
     """SAGE's segmentation head, fused: p(same chunk) of every adjacent pair of sentence embeddings."""
 

@@ -45,6 +45,15 @@ def _close_open_engines() -> None:
         engine.close()
 
 
+class PromptTooLong(ValueError):
+    """A prompt that, with the tokens asked for, does not fit the model's context: refused before any work."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {limit} tokens")
+        self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
+
+
 @dataclass(frozen=True)
 class Request:
     prompt: tuple[int, ...]
@@ -70,8 +79,6 @@ class Request:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0; got {self.temperature}")
         if len(self.prompt) + self.max_new_tokens > context_length:
-            from certrag.llm.local import PromptTooLong
-
             raise PromptTooLong(len(self.prompt), self.max_new_tokens, context_length)
         for a, b in self.chunk_spans or ():
             if not 0 <= a <= b <= len(self.prompt):

@@ -17,7 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from certrag.llm.engine import PromptTooLong, Request
 from certrag.llm.models import BUNDLED_MODELS, DEFAULT_LLM
+
+__all__ = ["Generation", "LocalLLM", "PromptTooLong", "TextStream", "chat_prompt_ids"]
 
 @dataclass(frozen=True)
 class Generation:
@@ -70,15 +73,6 @@ class TextStream:
 # passes; prefill throughput is flat from 64 to 512 tokens a pass on 2 cores, while a decode step beside a prefill
 # waits one pass (0.26 s at 64, 1 s at 256).
 PREFILL_CHUNK = 64
-
-
-class PromptTooLong(ValueError):
-    """A prompt that, with the tokens asked for, does not fit the model's context: refused before any work."""
-
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
-        super().__init__(f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's context of {limit} tokens")
-        self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
 
 
 def _mean(values) -> float:
@@ -182,8 +176,6 @@ class LocalLLM:
         (batch_size is kept for compatibility; the engine schedules them)."""
         import numpy as np
 
-        from certrag.llm.engine import Request
-
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         vocab = self.config.vocab
@@ -210,8 +202,6 @@ class LocalLLM:
                  stop: list[str] | tuple[str, ...] = (), on_text=None, cancelled=None,
                  deadline: float | None = None):
         """The engine's Request for a chat, every argument checked (PromptTooLong before any work)."""
-        from certrag.llm.engine import Request
-
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
         if temperature < 0:
