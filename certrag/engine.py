@@ -533,10 +533,22 @@ class Engine:
         if retrieval is not None and retrieval.question != question:
             raise ValueError("retrieval was made for another question")
         r = self.retrieve(question) if retrieval is None else retrieval
-        certification = self.certify(r, force=opts.force_certify) if opts.certify or opts.force_certify else None
+        certification = None
+        if opts.certify or opts.force_certify:
+            r = self._scored_for_calibration(question, r)
+            certification = self.certify(r, force=opts.force_certify)
         return answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
                            certification=certification, classifier=classifier,
                            retrieve_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _scored_for_calibration(self, question: str, r: Retrieval) -> Retrieval:
+        """r, or the question retrieved again with the reranker when the calibration is on reranker logits and the
+        adaptive skip rule left r without them: certification must score every question the way the calibration
+        did (the skip rule fires exactly on the questions whose dense ranking looks decisive)."""
+        cal = self.calibration
+        if cal is None or cal.score_transform != "rerank logit" or not r.trace.get("rerank_skipped"):
+            return r
+        return self.retrieve(question, rerank=True, candidates=len(r.chunk_ids))
 
     def _factuality_for(self, llm):
         """The factuality classifier for llm: engine.factuality when set, else the one shipped for the model."""

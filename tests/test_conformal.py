@@ -402,3 +402,29 @@ def test_certification_says_when_the_reranker_runs_in_another_backend_than_calib
         assert certify(rec, r, reranker_backend=now).reason == ""
     assert certify(_record(), r, reranker_backend="bfloat16").reason == ""  # a record from before the field
     assert Calibration.from_dict(rec.to_dict()) == rec
+
+
+def test_certify_with_adaptive_reranking_reranks_the_questions_the_skip_rule_skips(tmp_path, smollm):
+    """A calibration on reranker logits certifies every question on reranker logits: where the adaptive rule skipped
+    the cross-encoder (rerank scores NaN), answering with certify=True used to raise CalibrationError; the question
+    is now reranked for certification, and its scores are the cross-encoder's own (oracle: retrieve(rerank=True))."""
+    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.data.corpora import wiki_leads
+    from certrag.engine import Engine
+
+    rows = wiki_leads()[:40]
+    docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in rows]
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=6, adaptive_rerank=True))
+    with Engine.build(docs, tmp_path / "s", config, progress=False) as engine:
+        skipped = next((d for _, _, d in rows if d and engine.retrieve(d).trace["rerank_skipped"]), None)
+        assert skipped is not None, "no question made the skip rule fire"
+        assert np.isnan(engine.retrieve(skipped).rerank_scores).all()
+        engine.set_calibration(_record(embedder=engine.embedder_name, reranker=engine.reranker_identity(),
+                                       score_transform="rerank logit", s_thres=-100.0, candidates=6))
+        with pytest.raises(CalibrationError, match="without the reranker"):
+            engine.certify(engine.retrieve(skipped))  # a retrieval without the calibration's scores is refused
+        engine.llm = smollm
+        a = engine.answer(skipped, certify=True, max_new_tokens=8)
+        assert a.certification.applied and a.certification.trusted_count > 0
+        want = engine.retrieve(skipped, rerank=True)
+        np.testing.assert_allclose(a.certification.scores, np.asarray(want.rerank_scores, dtype=np.float64))
