@@ -13,7 +13,10 @@ Parts (issue 31), each in one run so every ratio is measured against its baselin
   load         the engine's load time from its warm q8 cache, a first conversion from the GGUF packages into an
                empty CERTRAG_HOME, and the cache's bytes on disk
 
-Usage: python benchmarks/bench_generate.py [--parts single,concurrency,recording,quality,load] [--repeats 3]
+  serve        the same through `certrag serve` with the openai client, streamed, beside --serialize (one
+               generation at a time, as the server ran before the engine)
+
+Usage: python benchmarks/bench_generate.py [--parts single,concurrency,serve,recording,quality,load] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -221,6 +224,84 @@ def part_concurrency(args, scratch: Path) -> list[dict]:
     return rows
 
 
+def _serve(extra: list[str]):
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "certrag.cli", "serve", "--model", MODEL, "--port", str(port),
+                             "--queue-depth", "64", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("certrag serve did not become ready")
+
+
+def part_serve(args, scratch: Path) -> list[dict]:
+    """Concurrent streamed chats through `certrag serve` with the openai client: the engine against the server with
+    --serialize (one request at a time, as generation ran before: the baseline)."""
+    import numpy as np
+    import openai
+
+    rows = []
+    prompts = _long_answer_prompts(max(args.streams))
+    for label, extra in (("certrag serve (decode engine)", []), ("certrag serve --serialize (today)", ["--serialize"])):
+        proc, url = _serve(extra)
+        try:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            client.chat.completions.create(model=MODEL, messages=prompts[0], max_tokens=4)  # warm-up
+            for n in args.streams:
+                ttft, itl, tokens, errors = [], [], [], []
+                lock = threading.Lock()
+
+                def one(messages):
+                    stamps, start = [], time.perf_counter()
+                    try:
+                        count = 0
+                        for chunk in client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                                    max_tokens=args.decode_tokens):
+                            if chunk.choices and chunk.choices[0].delta.content:
+                                stamps.append(time.perf_counter())
+                                count += 1
+                    except openai.APIStatusError as exc:
+                        with lock:
+                            errors.append(exc.status_code)
+                        return
+                    with lock:
+                        if stamps:
+                            ttft.append(stamps[0] - start)
+                            itl.extend(np.diff(stamps).tolist())
+                        tokens.append(count)
+
+                start = time.perf_counter()
+                workers = [threading.Thread(target=one, args=(m,)) for m in prompts[:n]]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                wall = time.perf_counter() - start
+                rows.append({"part": "serve", "system": label, "streams": n, "pieces": int(sum(tokens)),
+                             "wall_pieces_s": sum(tokens) / wall, "errors_5xx": sum(1 for e in errors if e >= 500),
+                             "errors": len(errors),
+                             "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else float("nan"),
+                             "itl_p50_ms": float(np.percentile(itl, 50) * 1e3) if itl else float("nan"),
+                             "itl_p99_ms": float(np.percentile(itl, 99) * 1e3) if itl else float("nan")})
+                print(rows[-1], file=sys.stderr)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return rows
+
+
 # -- recording -------------------------------------------------------------------------------------------------
 
 def part_recording(args, scratch: Path) -> list[dict]:
@@ -345,6 +426,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
                   r["wall_tok_s"], r["ttft_p50_s"], r["ttft_p99_s"], r["itl_p50_ms"], r["itl_p99_ms"]] for r in conc]
         out += [_common.markdown_table(["system", "streams", "decode tok/s", "x one stream", "wall tok/s",
                                         "TTFT p50 s", "TTFT p99 s", "ITL p50 ms", "ITL p99 ms"], table), ""]
+    srv = [r for r in rows if r["part"] == "serve"]
+    if srv:
+        out += ["Concurrent streamed chats through `certrag serve` with the openai client (the same long-answer "
+                "prompts, 64 tokens at most); pieces = streamed text chunks (about a token each); the baseline is "
+                "the same server with --serialize, one generation at a time as before the engine.", ""]
+        base = {r["streams"]: r["wall_pieces_s"] for r in srv if "serialize" in r["system"]}
+        table = [[r["system"], r["streams"], r["wall_pieces_s"],
+                  r["wall_pieces_s"] / base[r["streams"]] if r["streams"] in base else "", r["ttft_p50_s"],
+                  r["itl_p50_ms"], r["itl_p99_ms"], r["errors_5xx"]] for r in srv]
+        out += [_common.markdown_table(["server", "streams", "pieces/s (wall)", "x serialised", "TTFT p50 s",
+                                        "ITL p50 ms", "ITL p99 ms", "5xx"], table), ""]
     rec = [r for r in rows if r["part"] == "recording"]
     if rec:
         out += ["Lookback recording's cost per decode step (500 cached positions, 5 chunk spans):", ""]
@@ -374,7 +466,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="single,concurrency,recording,quality,load")
+    ap.add_argument("--parts", default="single,concurrency,serve,recording,quality,load")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--streams", default="1,2,4,8,16")
@@ -387,8 +479,8 @@ def main() -> None:
     args.streams = [int(s) for s in args.streams.split(",")]
     _common.pin_threads(max(args.threads))
     parts = args.parts.split(",")
-    known = {"single": part_single, "concurrency": part_concurrency, "recording": part_recording,
-             "quality": part_quality, "load": part_load}
+    known = {"single": part_single, "concurrency": part_concurrency, "serve": part_serve,
+             "recording": part_recording, "quality": part_quality, "load": part_load}
     for p in parts:
         if p not in known:
             ap.error(f"--parts: unknown part {p!r}; choose from {sorted(known)}")
