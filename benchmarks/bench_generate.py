@@ -179,9 +179,44 @@ def part_single(args, scratch: Path) -> list[dict]:
 
 # -- concurrency -----------------------------------------------------------------------------------------------
 
-def part_concurrency(args, scratch: Path) -> list[dict]:
+def _run_streams(call, prompts) -> dict:
+    """call(messages, stamp) for every prompt at once, a thread each; stamp() marks a streamed piece and call returns
+    the stream's token count. Returns the wall time, the tokens, TTFT and inter-piece latencies, and the errors."""
     import numpy as np
 
+    lock = threading.Lock()
+    ttft, itl, tokens, errors = [], [], [], []
+
+    def one(messages):
+        stamps, start = [], time.perf_counter()
+        try:
+            count = call(messages, lambda *_: stamps.append(time.perf_counter()))
+        except Exception as exc:  # noqa: BLE001 -- counted in the row, e.g. an HTTP status
+            with lock:
+                errors.append(exc)
+            return
+        with lock:
+            if stamps:
+                ttft.append(stamps[0] - start)
+                itl.extend(np.diff(stamps).tolist())
+            tokens.append(count)
+
+    start = time.perf_counter()
+    workers = [threading.Thread(target=one, args=(m,)) for m in prompts]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+    def pct(values, q, unit=1.0):
+        return float(np.percentile(values, q) * unit) if values else float("nan")
+
+    return {"wall": time.perf_counter() - start, "tokens": int(sum(tokens)), "errors": errors,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "itl_p50_ms": pct(itl, 50, 1e3),
+            "itl_p99_ms": pct(itl, 99, 1e3)}
+
+
+def part_concurrency(args, scratch: Path) -> list[dict]:
     from certrag.llm import LocalLLM
 
     rows = []
@@ -190,35 +225,14 @@ def part_concurrency(args, scratch: Path) -> list[dict]:
         prompts = _long_answer_prompts(max(args.streams))
         llm.generate_batch(prompts[:2], max_new_tokens=4)  # warm-up
         for n in args.streams:
-            ttft, itl, tokens = [], [], []
-            lock = threading.Lock()
-
-            def one(messages):
-                stamps = []
-                start = time.perf_counter()
-                g = llm.generate(messages, max_new_tokens=args.decode_tokens,
-                                 on_text=lambda _piece: stamps.append(time.perf_counter()))
-                with lock:
-                    if stamps:
-                        ttft.append(stamps[0] - start)
-                        itl.extend(np.diff(stamps).tolist())
-                    tokens.append(g.output_tokens)
-
             engine = llm.engine
             decoded, seconds = engine.decoded, engine.decode_seconds
-            start = time.perf_counter()
-            workers = [threading.Thread(target=one, args=(m,)) for m in prompts[:n]]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            wall = time.perf_counter() - start
+            run = _run_streams(lambda messages, stamp: llm.generate(
+                messages, max_new_tokens=args.decode_tokens, on_text=stamp).output_tokens, prompts[:n])
             rows.append({"part": "concurrency", "system": f"certrag q8, {threads} thread(s)", "streams": n,
-                         "tokens": int(sum(tokens)), "wall_tok_s": sum(tokens) / wall,
+                         "tokens": run["tokens"], "wall_tok_s": run["tokens"] / run["wall"],
                          "decode_tok_s": (engine.decoded - decoded) / (engine.decode_seconds - seconds),
-                         "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-                         "itl_p50_ms": float(np.percentile(itl, 50) * 1e3) if itl else float("nan"),
-                         "itl_p99_ms": float(np.percentile(itl, 99) * 1e3) if itl else float("nan")})
+                         **{k: run[k] for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_ms", "itl_p99_ms")}})
             print(rows[-1], file=sys.stderr)
         llm.close()
     return rows
@@ -249,7 +263,6 @@ def _serve(extra: list[str]):
 def part_serve(args, scratch: Path) -> list[dict]:
     """Concurrent streamed chats through `certrag serve` with the openai client: the engine against the server with
     --serialize (one request at a time, as generation ran before: the baseline)."""
-    import numpy as np
     import openai
 
     rows = []
@@ -259,42 +272,23 @@ def part_serve(args, scratch: Path) -> list[dict]:
         try:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
             client.chat.completions.create(model=MODEL, messages=prompts[0], max_tokens=4)  # warm-up
+
+            def chat(messages, stamp):
+                count = 0
+                for chunk in client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                            max_tokens=args.decode_tokens):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        stamp()
+                        count += 1
+                return count
+
             for n in args.streams:
-                ttft, itl, tokens, errors = [], [], [], []
-                lock = threading.Lock()
-
-                def one(messages):
-                    stamps, start = [], time.perf_counter()
-                    try:
-                        count = 0
-                        for chunk in client.chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                                    max_tokens=args.decode_tokens):
-                            if chunk.choices and chunk.choices[0].delta.content:
-                                stamps.append(time.perf_counter())
-                                count += 1
-                    except openai.APIStatusError as exc:
-                        with lock:
-                            errors.append(exc.status_code)
-                        return
-                    with lock:
-                        if stamps:
-                            ttft.append(stamps[0] - start)
-                            itl.extend(np.diff(stamps).tolist())
-                        tokens.append(count)
-
-                start = time.perf_counter()
-                workers = [threading.Thread(target=one, args=(m,)) for m in prompts[:n]]
-                for w in workers:
-                    w.start()
-                for w in workers:
-                    w.join()
-                wall = time.perf_counter() - start
-                rows.append({"part": "serve", "system": label, "streams": n, "pieces": int(sum(tokens)),
-                             "wall_pieces_s": sum(tokens) / wall, "errors_5xx": sum(1 for e in errors if e >= 500),
-                             "errors": len(errors),
-                             "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft else float("nan"),
-                             "itl_p50_ms": float(np.percentile(itl, 50) * 1e3) if itl else float("nan"),
-                             "itl_p99_ms": float(np.percentile(itl, 99) * 1e3) if itl else float("nan")})
+                run = _run_streams(chat, prompts[:n])
+                statuses = [getattr(e, "status_code", 0) for e in run["errors"]]
+                rows.append({"part": "serve", "system": label, "streams": n, "pieces": run["tokens"],
+                             "wall_pieces_s": run["tokens"] / run["wall"],
+                             "errors_5xx": sum(1 for code in statuses if code >= 500), "errors": len(statuses),
+                             **{k: run[k] for k in ("ttft_p50_s", "itl_p50_ms", "itl_p99_ms")}})
                 print(rows[-1], file=sys.stderr)
         finally:
             proc.terminate()
