@@ -27,13 +27,16 @@ log = logging.getLogger("certrag")
 
 class _Commands(click.Group):
     """Any ValueError or OSError a command did not turn into a message itself (a damaged store, a bad file, a full
-    disk) ends the command with one line on stderr and exit code 1, never a traceback. Ctrl-C ends it with exit
+    disk), or a bundled model that is not installed (the message names its pip command), ends the command with one
+    line on stderr and exit code 1, never a traceback. Ctrl-C ends it with exit
     code 130 once the work in flight has stopped (a store only ever changes by a whole new version)."""
 
     def invoke(self, ctx: click.Context):
+        from certrag.llm.models import MissingModel
+
         try:
             return super().invoke(ctx)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, MissingModel) as exc:
             message = " ".join(str(exc).split()) or type(exc).__name__
             raise click.ClickException(message) from None
         except KeyboardInterrupt:

