@@ -94,29 +94,21 @@ def part_single(args, scratch: Path) -> list[dict]:
     prompt = _long_prompt(llm.tokenizer)
     n_new = args.decode_tokens
     systems = {}
-    for threads in args.threads:
-        eng = LocalLLM(MODEL, num_threads=threads).engine
 
-        def run_engine(eng=eng):
-            t0 = time.perf_counter()
-            eng.generate(Request(prompt=tuple(prompt), max_new_tokens=1))
-            t1 = time.perf_counter()
-            r = eng.generate(Request(prompt=tuple(prompt), max_new_tokens=n_new + 1))
-            t2 = time.perf_counter()
-            return len(prompt) / (t1 - t0), (len(r.token_ids) - 1) / ((t2 - t1) - (t1 - t0))
-
-        systems[f"certrag q8, {threads} thread(s)"] = run_engine
-    ref = LocalLLM(MODEL, weights="float32").engine
-
-    def run_ref():
+    def timed(engine):
+        """(prefill tok/s, decode tok/s) of one engine on the prompt: a one-token answer, then n_new + 1 tokens."""
         t0 = time.perf_counter()
-        ref.generate(Request(prompt=tuple(prompt), max_new_tokens=1))
+        engine.generate(Request(prompt=tuple(prompt), max_new_tokens=1))
         t1 = time.perf_counter()
-        r = ref.generate(Request(prompt=tuple(prompt), max_new_tokens=n_new + 1))
+        r = engine.generate(Request(prompt=tuple(prompt), max_new_tokens=n_new + 1))
         t2 = time.perf_counter()
         return len(prompt) / (t1 - t0), (len(r.token_ids) - 1) / ((t2 - t1) - (t1 - t0))
 
-    systems["certrag float32 (reference), 1 thread"] = run_ref
+    for threads in args.threads:
+        eng = LocalLLM(MODEL, num_threads=threads).engine
+        systems[f"certrag q8, {threads} thread(s)"] = lambda eng=eng: timed(eng)
+    ref = LocalLLM(MODEL, weights="float32").engine  # torch's products, on the engine's one torch thread
+    systems["certrag float32 (reference), 1 thread"] = lambda: timed(ref)
     if not args.no_today:
         from transformers import AutoModelForCausalLM
 
