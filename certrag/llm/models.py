@@ -8,6 +8,7 @@ loaded with ``from_pretrained(dir, gguf_file=...)`` and saved as an ordinary saf
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import shutil
@@ -45,6 +46,22 @@ class BundledModel:
             parts.append(path)
         return parts
 
+    @contextlib.contextmanager
+    def gguf_file(self, scratch: str | Path | None = None):
+        """The model as one GGUF file for the duration: its only part as installed, or its parts joined in order
+        into a temporary file under scratch (default: the system's temporary folder), removed afterwards."""
+        parts = self.gguf_parts()
+        if len(parts) == 1:
+            yield parts[0]
+            return
+        with tempfile.TemporaryDirectory(dir=scratch, prefix=f".tmp-{self.name}-gguf-") as folder:
+            joined = Path(folder) / "model.gguf"
+            with open(joined, "wb") as out:
+                for part in parts:
+                    with open(part, "rb") as f:
+                        shutil.copyfileobj(f, out, 1 << 24)
+            yield joined
+
 
 BUNDLED_MODELS = {
     "qwen2.5-coder-0.5b-instruct": BundledModel(
@@ -65,15 +82,20 @@ BUNDLED_MODELS = {
 DEFAULT_LLM = "qwen2.5-coder-0.5b-instruct"
 
 
-def converted_model_dir(name: str) -> Path:
-    """The safetensors folder of a bundled model, converting it from GGUF on first use."""
+def bundled_model(name: str) -> BundledModel:
+    """The registry's entry for a bundled model's name; ValueError naming the choices for any other name."""
     if name not in BUNDLED_MODELS:
         raise ValueError(f"unknown bundled model {name!r}; choose from {sorted(BUNDLED_MODELS)}")
+    return BUNDLED_MODELS[name]
+
+
+def converted_model_dir(name: str) -> Path:
+    """The safetensors folder of a bundled model, converting it from GGUF on first use (the float32 path
+    transformers runs: today's baseline in bench_generate, and bench_lookback's model)."""
+    model = bundled_model(name)
     target = certrag_home() / "models" / name
     if (target / "config.json").exists() and any(target.glob("*.safetensors")):
         return target
-    model = BUNDLED_MODELS[name]
-    parts = model.gguf_parts()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -81,15 +103,10 @@ def converted_model_dir(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         scratch = Path(scratch)
-        gguf = scratch / "model.gguf"
         log.info("converting %s from GGUF (once; this takes up to a minute)", name)
-        with open(gguf, "wb") as out:
-            for part in parts:
-                with open(part, "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 24)
-        tokenizer = AutoTokenizer.from_pretrained(str(scratch), gguf_file=gguf.name)
-        quantised = AutoModelForCausalLM.from_pretrained(str(scratch), gguf_file=gguf.name)
-        gguf.unlink()
+        with model.gguf_file(scratch) as gguf:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            quantised = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # A model loaded from GGUF refuses save_pretrained; a plain one built from its config takes its weights.
         config = quantised.config
         for attr in ("quantization_config", "_pre_quantization_dtype"):

@@ -353,10 +353,9 @@ def load_q8(folder: str | os.PathLike, fmt: str = "q8") -> DecoderWeights:
 
 def q8_cache_dir(name: str, *, progress=None) -> Path:
     """The q8 folder of a bundled model under CERTRAG_HOME, converted from its GGUF packages on first use."""
-    from certrag.llm.models import BUNDLED_MODELS
+    from certrag.llm.models import bundled_model
 
-    if name not in BUNDLED_MODELS:
-        raise ValueError(f"unknown bundled model {name!r}; choose from {sorted(BUNDLED_MODELS)}")
+    model = bundled_model(name)
     target = certrag_home() / "models" / f"{name}-q8"
     if (target / "config.json").exists() and (target / "weights.safetensors").exists():
         try:
@@ -364,32 +363,16 @@ def q8_cache_dir(name: str, *, progress=None) -> Path:
                 return target
         except (OSError, ValueError):
             pass
-    parts = BUNDLED_MODELS[name].gguf_parts()
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s from GGUF to its q8 cache (once; about ten seconds)", name)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".tmp-{name}-gguf-") as scratch:
-        gguf_file = Path(scratch) / "model.gguf"
-        with open(gguf_file, "wb") as out:
-            for part in parts:
-                with open(part, "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 24)
-        convert_gguf(gguf_file, target, progress=progress)
+    log.info("converting %s from GGUF to its q8 cache (once; 10-30 seconds)", name)
+    with model.gguf_file(target.parent) as gguf:
+        convert_gguf(gguf, target, progress=progress)
     return target
 
 
 def bundled_gguf_weights(name: str, fmt: str = "float32") -> DecoderWeights:
     """A bundled model's weights straight from its GGUF packages (load_gguf): the float32 reference."""
-    from certrag.llm.models import BUNDLED_MODELS
+    from certrag.llm.models import bundled_model
 
-    if name not in BUNDLED_MODELS:
-        raise ValueError(f"unknown bundled model {name!r}; choose from {sorted(BUNDLED_MODELS)}")
-    parts = BUNDLED_MODELS[name].gguf_parts()
-    if len(parts) == 1:
-        return load_gguf(parts[0], fmt)
-    with tempfile.TemporaryDirectory(prefix="certrag-gguf-") as scratch:
-        gguf_file = Path(scratch) / "model.gguf"
-        with open(gguf_file, "wb") as out:
-            for part in parts:
-                with open(part, "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 24)
-        return load_gguf(gguf_file, fmt)
+    with bundled_model(name).gguf_file() as gguf:
+        return load_gguf(gguf, fmt)
