@@ -103,7 +103,7 @@ def main() -> None:
     if args.answer_questions:
         from certrag.llm import LocalLLM
 
-        llm = LocalLLM(args.model, dtype="bfloat16")
+        llm = LocalLLM(args.model)
     rows = []
     for name, chunker in chunkers(embedder).items():
         started = time.perf_counter()

@@ -302,7 +302,7 @@ def speed(backends: list[str], threads: int, n_questions: int, index_docs: int, 
     engine, _ = nq_store(Embedder(backend="float32", memo_size=0), CrossEncoderReranker(backend="float32"))
     view = engine._view
     questions = [it.question for it in load_nq_open(split="test")][:n_questions]
-    found = view.index.search(engine._embedder.embed(questions), k=20, ef=128)
+    found = view.index.search(engine.embedder.embed(questions), k=20, ef=128)
     cand = [[view.chunks[view.position[int(c)]]["text"] for c in ids] for ids in found.ids]
     short = [[t[:160] for t in c] for c in cand]  # ~32-token chunks, as in bench_scale's 125k-chunk store
 

@@ -45,7 +45,7 @@ DEFAULT_READER = "qwen2.5-coder-0.5b-instruct"
 
 
 def _stem(args) -> str:
-    return f"bench_qa2-{args.model}-{args.dtype}-{args.questions}q-{args.noise_questions}n-{args.scan}s"
+    return f"bench_qa2-{args.model}-{args.weights}-{args.questions}q-{args.noise_questions}n-{args.scan}s"
 
 
 def _shard_path(args, shard: int, reverse: bool = False) -> Path:
@@ -97,7 +97,7 @@ def worker(args) -> None:
     from certrag.rerank import CrossEncoderReranker
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
-    engine.llm = LocalLLM(args.model, dtype=args.dtype)
+    engine.llm = LocalLLM(args.model, weights=args.weights)
     conditions = selected_conditions(args.conditions)
     last = max(_limit(noise, args) for _, (_, _, noise) in conditions)
     indexed = list(enumerate(load_nq_open(split="test")[:last]))[args.shard::args.workers]
@@ -149,8 +149,8 @@ def main() -> None:
     p.add_argument("--conditions", default=str(len(CONDITIONS)),
                    help="the first N conditions, or a list such as plain@1.0,chain_of_note@1.0")
     p.add_argument("--model", default=DEFAULT_READER, help="a bundled reader, e.g. qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="the reader's weights (bfloat16 prefills about 2x faster on a CPU with AVX512-BF16)")
+    p.add_argument("--weights", default="q8", choices=["q8", "float32"],
+                   help="the reader's weight format (certrag.llm.LocalLLM; the engine's default is q8)")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the shard files")
     p.add_argument("--report-only", action="store_true", help="summarise the shard files as they are")
     p.add_argument("--below", type=int, default=None,
@@ -175,7 +175,7 @@ def main() -> None:
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # build it once, before the workers
         forwarded = ["--workers", str(args.workers), "--questions", str(args.questions), "--noise-questions",
                      str(args.noise_questions), "--scan", str(args.scan), "--conditions", args.conditions,
-                     "--model", args.model, "--dtype", args.dtype] + (["--resume"] if args.resume else [])
+                     "--model", args.model, "--weights", args.weights] + (["--resume"] if args.resume else [])
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded])
                  for i in range(args.workers)]
         for proc in procs:
@@ -211,7 +211,7 @@ def main() -> None:
     from certrag.llm import LocalLLM
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
-    engine.llm = LocalLLM(args.model, dtype=args.dtype)
+    engine.llm = LocalLLM(args.model, weights=args.weights)
     q = load_nq_open(split="test")[0].question
     engine.answer(q)  # warm-up
     a = engine.answer(q)
@@ -219,7 +219,7 @@ def main() -> None:
     stages = {"embed": t["embed_ms"], "search": t["search_ms"], "rerank": t["rerank_ms"], "select": t["select_ms"],
               "generate": t["generate_ms"]}
     total = sum(stages.values())
-    meta = _common.meta({"bench": "bench_qa", "model": args.model, "dtype": args.dtype, "counts": counts,
+    meta = _common.meta({"bench": "bench_qa", "model": args.model, "weights": args.weights, "counts": counts,
                          "questions": args.questions, "noise_questions": args.noise_questions, "scan": args.scan, "below": args.below,
                          "feedback": fb_dist, "end_to_end_ms": stages})
     by = {(x["strategy"], x["noise_ratio"]): x for x in summaries}
@@ -264,7 +264,7 @@ def main() -> None:
         "### Answering strategies (bench_qa.py)\n" if args.model == DEFAULT_READER else
         f"### Answering strategies with {args.model} (bench_qa.py --model)\n",
         verdict(),
-        (f"{args.model} in {args.dtype}, greedy; NQ-open test questions, store of bench_retrieval.py. Every "
+        (f"{args.model} in {args.weights}, greedy; NQ-open test questions, store of bench_retrieval.py. Every "
          "strategy's prompt offers 'unknown' and every strategy counts it as a rejection by the same rule "
          "(certrag.strategies.is_unknown). Chain-of-Note runs per passage: a batched one-line note per passage, "
          "each ANSWERS / CONTEXT note held to its passage (check_note), the answer from the passages not noted "

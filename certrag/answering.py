@@ -15,6 +15,7 @@ import numpy as np
 
 from certrag.config import SelectionConfig
 from certrag.cost import PriceTable
+from certrag.grounding import grounded_run
 from certrag.llm.prompts import QUESTION_TYPES, Passage
 from certrag.retrieval import Retrieval
 from certrag.select import cut
@@ -29,7 +30,11 @@ class AnswerOptions:
     placeholder table). max_new_tokens: overrides the strategy's answer budget (Chain-of-Note: per note; Self-RAG:
     per segment). certify: send only the candidates trusted under the store's conformal calibration, when its
     diagnostics say the guarantee holds; force_certify: even when they do not. confidence: record lookback ratios
-    while the local model writes the answer and report the factuality classifier's P(supported)."""
+    while the local model writes the answer and report the factuality classifier's P(supported). grounding: check
+    that an open answer rests on sentences relevant to the question, answering again without the off-topic ones
+    when it does not (certrag.grounding: the injection defence that reads no list of phrasings). history: the
+    conversation before the question, (role, text) pairs, shown to the model with the question (retrieval reads
+    the question alone)."""
 
     qtype: str = "open"
     options: tuple[str, ...] | None = None
@@ -38,6 +43,8 @@ class AnswerOptions:
     certify: bool = False
     force_certify: bool = False
     confidence: bool = False
+    grounding: bool = True
+    history: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.qtype not in QUESTION_TYPES:
@@ -50,6 +57,11 @@ class AnswerOptions:
                                                 or not isinstance(self.max_new_tokens, int)
                                                 or self.max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be a positive integer; got {self.max_new_tokens!r}")
+        if isinstance(self.history, (str, bytes)) or not all(
+                isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, str) for x in t)
+                for t in self.history):
+            raise ValueError("history must be a list of (role, text) pairs of strings")
+        object.__setattr__(self, "history", tuple(tuple(t) for t in self.history))
 
 
 @dataclass(frozen=True)
@@ -74,15 +86,19 @@ class Answer:
     certification: object = None  # certrag.certify.conformal.Certification when certify was asked for
     confidence: float | None = None  # P(supported) from lookback ratios when confidence was asked for
     lookback: object = None  # certrag.certify.lookback.LookbackFeatures of the answer's generation, with confidence
+    grounding: object = None  # certrag.grounding.Grounding of an open answer when it was checked
+    finish_reason: str = "stop"  # of the call that wrote the answer: "length" when max tokens cut it
 
     def to_dict(self) -> dict:
         return {"question": self.question, "answer": self.text, "strategy": self.strategy,
                 "certification": self.certification.to_dict() if self.certification is not None else None,
                 "confidence": self.confidence,
+                "grounding": self.grounding.to_dict() if self.grounding is not None else None,
                 "cited_chunk_ids": list(self.cited_chunk_ids),
                 "notes": [{"passage": n.passage, "kind": n.kind, "claimed": n.claimed or n.kind, "text": n.text}
                           for n in self.notes],
                 "rejected": self.rejected, "malformed": self.malformed, "rounds": self.rounds,
+                "finish_reason": self.finish_reason,
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens, "cost": self.cost,
                 "model": self.model, "trace": self.trace}
 
@@ -101,16 +117,26 @@ def _selection(r: Retrieval, config: SelectionConfig, limit: int) -> Selection:
     return Selection(passages=passages, min_k=min(config.min_k, limit), max_k=limit or 1)
 
 
+def with_history(question: str, history: tuple[tuple[str, str], ...]) -> str:
+    """The question as the model reads it: after the conversation so far, when there is one."""
+    if not history:
+        return question
+    turns = "\n".join(f"{role}: {text}" for role, text in history)
+    return f"(The conversation so far:\n{turns}\n)\n{question}"
+
+
 def passages_of(r: Retrieval, n: int) -> list[Passage]:
     """The first n candidates of a retrieval as prompt passages."""
     return [Passage(text=r.texts[i], chunk_id=int(r.chunk_ids[i])) for i in range(n)]
 
 
 def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: AnswerOptions, *,
-           selection: SelectionConfig, certification=None, classifier=None, retrieve_ms: float = 0.0) -> Answer:
+           selection: SelectionConfig, certification=None, classifier=None, relevance=None,
+           retrieve_ms: float = 0.0) -> Answer:
     """Answers from a retrieval: the selector's cut (or, when certification applies, the trusted candidates, at
     most selection.max_k; none trusted -> "unknown" without an LLM call), the strategy, the answer's lookback
-    confidence (classifier given), citations, cost and trace."""
+    confidence (classifier given), the grounding check (relevance given: certrag.grounding.grounded_run),
+    citations, cost and trace."""
     limit = len(r.chunk_ids)
     if certification is not None and certification.applied:
         limit = min(certification.trusted_count, selection.max_k)
@@ -121,9 +147,12 @@ def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: Answer
                           rejected=True, model=getattr(llm, "name", ""), trace=trace, retrieval=r,
                           certification=certification)
     t1 = time.perf_counter()
-    result = strategy.run(question, passages_of(r, r.selected), llm, options.qtype,
-                          list(options.options) if options.options is not None else None,
-                          selection=_selection(r, selection, limit), record_lookback=classifier is not None)
+    result, grounding = grounded_run(strategy, with_history(question, options.history), passages_of(r, r.selected),
+                                     llm, options.qtype,
+                                     list(options.options) if options.options is not None else None,
+                                     relevance=relevance if options.grounding else None,
+                                     selection=_selection(r, selection, limit),
+                                     record_lookback=classifier is not None, checked_question=question)
     t2 = time.perf_counter()
     conf = features = None
     if classifier is not None and result.answer_call is not None and result.calls:
@@ -137,6 +166,9 @@ def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: Answer
     elif result.notes and not result.malformed:
         useful = {n.passage for n in result.notes if n.kind in ("answers", "context")}
         cited = tuple(int(r.chunk_ids[i - 1]) for i in sorted(useful) if 1 <= i <= used)
+    finish = "stop"
+    if result.answer_call is not None and result.calls:
+        finish = result.calls[result.answer_call].finish_reason or "stop"
     model = getattr(llm, "name", "llm")
     cost = (options.prices or PriceTable()).cost(model, result.input_tokens, result.output_tokens)
     trace = dict(r.trace, retrieve_ms=retrieve_ms, generate_ms=(t2 - t1) * 1e3, llm_calls=len(result.calls),
@@ -144,4 +176,5 @@ def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: Answer
     return Answer(question=question, text=result.text, strategy=strategy.name, cited_chunk_ids=cited,
                   notes=result.notes, rejected=result.rejected, malformed=result.malformed, rounds=result.rounds,
                   input_tokens=result.input_tokens, output_tokens=result.output_tokens, cost=cost, model=model,
-                  trace=trace, retrieval=r, certification=certification, confidence=conf, lookback=features)
+                  trace=trace, retrieval=r, certification=certification, confidence=conf, lookback=features,
+                  grounding=grounding, finish_reason=finish)

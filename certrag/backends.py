@@ -43,6 +43,16 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "float32", "bfloat16", "int8")
 
 
+def import_torch():
+    """torch, imported with OpenMP's passive wait policy: spin-waiting OpenMP threads make 2-core machines slower,
+    not faster, and the policy is read when the OpenMP runtime starts, so it must be set before torch is first
+    imported. Every certrag module that loads torch models imports it through here."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    return torch
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_features() -> frozenset[str]:
     """The CPU features the backends depend on: a subset of {"avx512_bf16", "amx_bf16", "vnni"}."""

@@ -115,7 +115,7 @@ def demo(store: Path | None, passages: int, distractors: int, questions: int) ->
     else:
         click.echo(f"indexing {len(docs):,} documents into {store} (SAGE segmentation, MiniLM, HNSW) ...")
         engine = Engine.build(docs, store)
-        report = engine.last_report
+        report = engine.build_report
         click.echo(f"indexed {report.documents:,} documents into {report.chunks:,} chunks in {report.seconds:.0f} s")
     from certrag.eval.metrics import exact_match
 
@@ -245,13 +245,13 @@ def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker:
 
             with index_on_ray(list(src), store, config, address=ray_address, workers=workers,
                               force=force) as engine:
-                report = engine.last_report
+                report = engine.build_report
         elif config is None:
             with _open_engine(store, read_only=False) as engine:
                 report = engine.add(list(src))
         else:
             with Engine.build(list(src), store, config, force=force) as engine:
-                report = engine.last_report
+                report = engine.build_report
     except (StoreError, ValueError, FileNotFoundError, ImportError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
@@ -469,7 +469,8 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
           generation_replicas: int, ingress_replicas: int, autoscale: int | None, shard_actors: bool,
           replica_threads: int) -> None:
     """Serve the OpenAI routes (/v1/chat/completions, /v1/models, /v1/embeddings), /v1/rerank and, with STORE,
-    /v1/retrieve and /v1/answer; /health, /ready and /metrics."""
+    /v1/retrieve, /v1/answer and the RAG models of /v1/chat/completions ("certrag", "certrag:<strategy>": answers
+    from the store, with their evidence in the response's `certrag` field); /health, /ready and /metrics."""
     import uvicorn
 
     from certrag.serve.app import ServeConfig, create_app
@@ -506,8 +507,6 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
 
         llm = LocalLLM(model) if model else LocalLLM()
     engine = _open_engine(store, read_only=True) if store else None
-    if engine is not None:
-        engine.llm = llm
     from certrag.serve.transport import protocol_with_read_timeout
 
     uvicorn.run(create_app(llm, engine, config), host=host, port=port, log_level="info",

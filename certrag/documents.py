@@ -86,14 +86,16 @@ def _without_nulls(row: dict) -> dict:
     return row
 
 
-def _from_path(path: Path, root: Path | None = None) -> list[Document]:
+def read_path(path: Path, root: Path | None = None) -> list[Document]:
+    """The documents of one file (JSONL, Parquet, text) or of every document file in a folder, as load_documents
+    reads them; root: the folder a text file's id is relative to (certrag.scale.indexing reads file by file)."""
     if path.is_dir():
         files = document_files(path)
         if not files:
             raise ValueError(f"{path} holds no documents (files ending in {', '.join(DOCUMENT_SUFFIXES)})")
         out = []
         for f in files:
-            out += _from_path(f, path)
+            out += read_path(f, path)
         return out
     if not path.exists():
         raise FileNotFoundError(f"no such file or folder: {path}")
@@ -145,11 +147,11 @@ def load_documents(documents: object) -> list[Document]:
         if isinstance(item, Document):
             out.append(item)
         elif isinstance(item, os.PathLike):
-            out += _from_path(Path(item))
+            out += read_path(Path(item))
         elif isinstance(item, str):
             found = existing_path(item)
             if found is not None:
-                out += _from_path(found)
+                out += read_path(found)
             elif _looks_like_path(item):
                 raise FileNotFoundError(f"documents[{i}]: no such file or folder: {item!r} (pass a dict "
                                         "{'text': ...} to index it as text)")

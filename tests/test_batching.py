@@ -1,4 +1,4 @@
-"""The encoders' dynamic batcher (certrag.serve.batching): every caller gets exactly its own rows, whatever it was
+"""The encoders' dynamic batcher (certrag.runtime.batching): every caller gets exactly its own rows, whatever it was
 batched with, cut into or run beside; several model instances share the queue. The oracle is the model function
 applied to each caller's items alone."""
 
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from certrag.serve.batching import BatchingReranker, DynamicBatcher
+from certrag.runtime.batching import BatchingReranker, DynamicBatcher
 
 
 class Recorder:

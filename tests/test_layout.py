@@ -174,3 +174,56 @@ def test_the_native_stub_names_what_the_compiled_core_has():
         elif callable(obj):
             compiled[name] = None
     assert declared == compiled
+
+
+def _private_reads(files: dict[str, str]) -> list[str]:
+    """Reads of another certrag module's underscore names: `from certrag.x import _y` (the compiled core, a module
+    named _core, aside), and `obj._y` / getattr(obj, "_y") on anything but self or cls where _y is defined
+    (assigned, a def or a class) in some other module of the package and not in the reading one. Names the package
+    never defines (torch's, the standard library's) are not certrag's to police here."""
+    trees = {name: ast.parse(text) for name, text in files.items()}
+
+    def defined(tree) -> set[str]:
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                out.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                out.add(node.id)
+        return out
+
+    own = {name: defined(tree) for name, tree in trees.items()}
+    found = []
+    for name, tree in trees.items():
+        elsewhere = set().union(*(v for k, v in own.items() if k != name)) - own[name]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("certrag"):
+                found += [f"{name}:{node.lineno} from {node.module} import {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__") and a.name != "_core"]
+            attr, target = None, None
+            if isinstance(node, ast.Attribute):
+                attr, target = node.attr, node.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str)):
+                attr, target = node.args[1].value, node.args[0]
+            if (attr and attr.startswith("_") and not attr.startswith("__") and attr in elsewhere
+                    and not (isinstance(target, ast.Name) and target.id in ("self", "cls"))):
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_private_read_finder_finds_one_across_modules():
+    files = {"certrag/a.py": "class A:\n    def __init__(self):\n        self._x = 1\n",
+             "certrag/b.py": "from certrag.a import _helper\ndef f(a):\n    return a._x + getattr(a, '_x')\n",
+             "certrag/c.py": "import torch\ndef g():\n    return torch._int_mm\n"}
+    assert _private_reads(files) == ["certrag/b.py:1 from certrag.a import _helper", "certrag/b.py:3 a._x",
+                                     "certrag/b.py:3 getattr(a, '_x')"]
+
+
+def test_no_module_reads_another_modules_private_names():
+    files = {str(p.relative_to(PACKAGE.parent)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+    assert len(files) > 30
+    assert _private_reads(files) == []

@@ -72,9 +72,9 @@ def test_the_distilled_reranker_scores_as_the_model_classes_do_and_engines_choos
     config = EngineConfig(chunker="fixed_sentence", encoder_backend="float32", reranker=name,
                           retrieval=RetrievalConfig(candidates=4))
     with Engine.build(docs, tmp_path / "s", config, progress=False) as engine:
-        assert engine._reranker is small and engine.info()["models"]["reranker"] == name
+        assert engine.reranker is small and engine.info()["models"]["reranker"] == name
     with Engine.open(tmp_path / "s", read_only=True) as engine:  # the store's config names it
-        assert engine._reranker is small
+        assert engine.reranker is small
 
 
 def test_fused_score_is_cross_encoder_plus_weighted_dense(reranker32):

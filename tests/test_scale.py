@@ -81,13 +81,13 @@ def test_ray_data_build_equals_the_local_build(cluster, corpus, local_build, tmp
 
     with index_on_ray(_sources(corpus), tmp_path / "ray", FAST.replace(index=IndexConfig(shards=2)), workers=2,
                       batch_docs=8, progress=False) as engine:
-        assert engine.last_report.documents == 64
+        assert engine.build_report.documents == 64
         _same_store(local_build, engine)
         assert [len(s) for s in engine._data.index.shards] == [len(s) for s in local_build._data.index.shards]
     # adding through Ray to an existing store gives what adding locally gives
     extra = [{"id": "new:1", "text": "A new document about the moons of Jupiter and their orbits."}]
     with index_on_ray(extra, tmp_path / "ray", progress=False) as engine:
-        assert engine.last_report.documents == 1 and "new:1" in engine.documents
+        assert engine.build_report.documents == 1 and "new:1" in engine.documents
         assert engine.retrieve("moons of Jupiter").doc_ids[0] == "new:1"
 
 

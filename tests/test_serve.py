@@ -168,7 +168,7 @@ def test_rerank_and_retrieve_match_the_engine(server, store):
     with Engine.open(store, read_only=True) as engine:
         want = engine.retrieve("What is Albert Einstein known for?")
         docs = list(want.texts[:5])
-        fused = engine._reranker.score(want.question, docs, want.dense_scores[:5])
+        fused = engine.reranker.score(want.question, docs, want.dense_scores[:5])
     status, _, body = _post(server, "/v1/retrieve", {"question": "What is Albert Einstein known for?"})
     assert status == 200
     got = json.loads(body)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -70,9 +71,19 @@ class FactualityClassifier:
 
     @classmethod
     def for_model(cls, model: str) -> "FactualityClassifier":
-        """The classifier shipped in the package for a bundled model."""
-        path = PACKAGE_DIR / f"{model}.json"
-        if not path.exists():
-            raise FileNotFoundError(f"no factuality classifier ships for {model!r}; train one with "
-                                    f"`certrag train-factuality --model {model}`")
-        return cls.load(path)
+        """The classifier shipped in the package for a bundled model (read once per process and model)."""
+        return _shipped(cls, model)
+
+
+@lru_cache(maxsize=16)
+def _shipped(cls, model: str) -> FactualityClassifier:
+    path = PACKAGE_DIR / f"{model}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no factuality classifier ships for {model!r}; train one with "
+                                f"`certrag train-factuality --model {model}`")
+    return cls.load(path)
+
+
+def has_classifier(model: str) -> bool:
+    """Whether a factuality classifier ships in the package for the model."""
+    return (PACKAGE_DIR / f"{model}.json").exists()

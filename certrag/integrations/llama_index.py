@@ -58,9 +58,9 @@ class CertragPostprocessor(BaseNodePostprocessor):
         if not nodes:
             return []
         texts = [n.node.get_content() for n in nodes]
-        vectors = self.engine._embedder.embed([query_bundle.query_str] + texts)
+        vectors = self.engine.embedder.embed([query_bundle.query_str] + texts)
         dense = (vectors[1:] @ vectors[0]).astype(np.float32)
-        reranker = self.engine._reranker
+        reranker = self.engine.reranker
         if reranker is not None:
             scores, kind = reranker.score(query_bundle.query_str, texts, dense), "logit"
         else:

@@ -171,7 +171,6 @@ class Decoder:
         logits (B, vocab). For a row with spans, the step's span masses are appended to spans[r].masses."""
         torch = self._torch
         c = self.c
-        B = len(ids)
         positions = torch.tensor([cache.length for cache in caches])
         if any(cache.length >= cache.capacity for cache in caches):
             raise ValueError("a sequence's cache is full")

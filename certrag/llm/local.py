@@ -11,9 +11,6 @@ per layer: the engine computes attention explicitly, so the recorder reads the w
 from __future__ import annotations
 
 import os
-import queue
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,36 +34,22 @@ class Generation:
 
 
 class TextStream:
-    """The pieces of one generation as they are decoded (see LocalLLM.stream); iterate once. The engine's thread
-    hands each piece over a queue; leaving the loop early cancels the sequence at its next step."""
+    """The pieces of one generation as they are decoded (see LocalLLM.stream); iterate once. Leaving the loop early
+    cancels the sequence at its next step; afterwards .generation holds the Generation."""
 
     def __init__(self, llm, messages, kwargs) -> None:
+        from certrag.runtime.streams import ThreadStream
+
         self.generation: Generation | None = None
-        self._args = (llm, messages, kwargs)
-        self._started = False
+        self._stream = ThreadStream(lambda emit: llm.generate(messages, on_text=emit,
+                                                              cancelled=self._stream.cancel.is_set, **kwargs),
+                                    name="certrag-text-stream")
 
     def __iter__(self):
-        if self._started:
-            raise RuntimeError("a TextStream is iterated once")
-        self._started = True
-        llm, messages, kwargs = self._args
-        pieces: queue.SimpleQueue = queue.SimpleQueue()
-        stop = threading.Event()
-        pending = llm.submit(messages, on_text=lambda piece: pieces.put(("piece", piece)), cancelled=stop.is_set,
-                             **kwargs)
-        pending.future.add_done_callback(lambda _: pieces.put(("done", None)))
         try:
-            while True:
-                kind, value = pieces.get()
-                if kind == "piece":
-                    yield value
-                else:
-                    break
-            self.generation = pending.result()
+            yield from self._stream
         finally:
-            if self.generation is None:
-                stop.set()
-                self.generation = pending.result()
+            self.generation = self._stream.result
 
 
 # Prompt tokens per prefill pass. Cancellation, deadlines and other sequences' decode steps are served between

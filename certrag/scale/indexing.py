@@ -37,10 +37,10 @@ def _rows(docs: list[Document], source: int = 0, file: int = 0) -> dict:
 
 def _read_files(batch: dict) -> dict:
     """The documents of each file (JSONL, Parquet, text), exactly as a local build reads it."""
-    from certrag.documents import _from_path
+    from certrag.documents import read_path
 
     (path,), (root,), (source,), (file,) = batch["path"], batch["root"], batch["source"], batch["file"]
-    return _rows(_from_path(Path(str(path)), Path(str(root)) if str(root) else None), int(source), int(file))
+    return _rows(read_path(Path(str(path)), Path(str(root)) if str(root) else None), int(source), int(file))
 
 
 def _source_dataset(source: object, number: int):
@@ -71,12 +71,12 @@ class SegmentEmbedWorker:
     def __init__(self, config: dict, threads: int = 1) -> None:
         import torch
 
-        from certrag.engine import Engine
         from certrag.segment import make_chunker
+        from certrag.stages import default_embedder
 
         torch.set_num_threads(threads)
         cfg = EngineConfig.from_dict(config)
-        self.embedder = Engine._default_embedder(cfg)
+        self.embedder = default_embedder(cfg)
         self.chunker = make_chunker(cfg.chunker, cfg.segmenter, embedder=self.embedder)
 
     def __call__(self, batch: dict) -> dict:
@@ -116,7 +116,7 @@ def index_on_ray(documents: object, store: str | Path, config: EngineConfig | No
                  batch_docs: int = GROUP, overwrite: bool = False, force: bool = False, progress: bool = True):
     """Builds a new store at `store` (or adds to the one there) from documents -- paths (JSONL, Parquet, text files,
     folders of them) or anything load_documents takes -- segmenting and embedding on `workers` Ray actors of
-    `threads_per_worker` torch threads, batch_docs documents per batch. Returns the open Engine; its last_report
+    `threads_per_worker` torch threads, batch_docs documents per batch. Returns the open Engine; its build_report
     says what was indexed. address: a Ray cluster (None starts a local one in this process; "auto" joins this
     machine's). config applies to a new store only (an existing store keeps its own); force as in Engine.build."""
     from certrag.engine import Engine
@@ -136,21 +136,20 @@ def index_on_ray(documents: object, store: str | Path, config: EngineConfig | No
     connect(address)
     from ray.data import ActorPoolStrategy
 
-    def run(engine) -> None:
+    def run(engine):
         parts = [_source_dataset(s, i) for i, s in enumerate(sources)]
         ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
         ds = ds.map_batches(SegmentEmbedWorker, batch_size=batch_docs, batch_format="numpy",
                             fn_constructor_kwargs={"config": engine.config.to_dict(), "threads": threads_per_worker},
                             compute=ActorPoolStrategy(size=workers), num_cpus=threads_per_worker)
-        engine._ingest_prepared(_prepared(ds, engine._embedder.dim, progress))
+        return engine.add_prepared(_prepared(ds, engine.embedder.dim, progress))
 
     if exists:
         engine = Engine.open(store)
         try:
-            with engine._write_lock:
-                run(engine)
+            engine.build_report = run(engine)
         except BaseException:
             engine.close()
             raise
         return engine
-    return Engine._create(store, config, embedder=None, reranker=None, overwrite=overwrite, force=force, fill=run)
+    return Engine.build_from(run, store, config, overwrite=overwrite, force=force)

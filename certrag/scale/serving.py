@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -52,12 +51,11 @@ class Encoders:
         import torch
 
         from certrag.config import EngineConfig
-        from certrag.engine import Engine
+        from certrag.stages import Stages
 
         torch.set_num_threads(threads)
-        cfg = EngineConfig.from_dict(config)
-        self.embedder = Engine._default_embedder(cfg)
-        self.reranker = Engine._resolve_reranker(cfg, None)
+        stages = Stages.default(EngineConfig.from_dict(config))
+        self.embedder, self.reranker = stages.embedder, stages.reranker
 
     def describe(self) -> dict:
         e, r = self.embedder, self.reranker
@@ -123,35 +121,17 @@ class Generator:
         """Yields {"piece": text} as the answer is decoded (in a worker thread, so the replica keeps taking calls),
         then {"done": the Generation as a dict}. When the caller goes (Serve cancels this generator), the decoding
         stops at its next token."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
+        from certrag.runtime.streams import DONE, ITEM, ThreadStream
 
-        def put(kind: str, value) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
-
-        def work() -> None:
-            try:
-                g = self.llm.generate(messages, on_text=lambda piece: put("piece", piece), cancelled=stop.is_set,
-                                      **options)
-                put("done", _generation(g))
-            except BaseException as exc:  # noqa: BLE001 -- raised again in the generator, for the caller
-                put("error", exc)
-
-        worker = asyncio.ensure_future(asyncio.to_thread(work))
-        try:
-            while True:
-                kind, value = await queue.get()
-                if kind == "piece":
-                    yield {"piece": value}
-                elif kind == "done":
-                    yield {"done": value}
-                    return
-                else:
-                    raise value
-        finally:
-            stop.set()
-            del worker
+        stream = ThreadStream(lambda emit: self.llm.generate(messages, on_text=emit, cancelled=stream.cancel.is_set,
+                                                             **options), name="certrag-ray-stream")
+        async for kind, value in stream.events():
+            if kind == ITEM:
+                yield {"piece": value}
+            elif kind == DONE:
+                yield {"done": _generation(value)}
+            else:
+                raise value
 
     async def generate(self, messages: list[dict], options: dict) -> dict:
         return await self._generate_batch((messages, options))
@@ -191,15 +171,16 @@ class Ingress:
     async def __serve_build_asgi_app__(self):
         from certrag.engine import Engine
         from certrag.serve.app import ServeConfig, create_app
+        from certrag.stages import Stages
 
         described = await self.encoders.describe.remote()
         embedder = RemoteEmbedder(self.encoders, described["embedder"])
         reranker = RemoteReranker(self.encoders, described["reranker"]) if described["reranker"] else None
         llm = RemoteLLM(self.generator, await self.generator.describe.remote())
         await asyncio.to_thread(lambda: llm.tokenizer)  # loaded now, not by the first request
-        engine = await asyncio.to_thread(Engine.open, self.store, read_only=True, embedder=embedder,
-                                         reranker=reranker, shard_actors=self.shard_actors)
-        engine.llm = llm
+        stages = Stages(embedder=embedder, reranker=reranker, llm=llm)
+        engine = await asyncio.to_thread(Engine.open, self.store, read_only=True, stages=stages,
+                                         shard_actors=self.shard_actors)
         return create_app(llm, engine, ServeConfig(**self.serve_config), batch_encoders=False)
 
 

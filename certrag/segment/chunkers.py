@@ -163,7 +163,7 @@ def _text_units(text: str, embedder, newline_is_break: bool, max_tokens: int) ->
     if not sentences:
         return _Units()
     counts = embedder.count_tokens([s.text for s in sentences])
-    return _units(text, sentences, counts, max_tokens, embedder._counter)
+    return _units(text, sentences, counts, max_tokens, embedder.counter)
 
 
 def _make_chunk(text: str, start: int, end: int, counter) -> Chunk:
@@ -308,7 +308,7 @@ class Segmenter:
         starts = _enforce_sizes(cuts, units.tokens, strength, cfg.min_tokens, cfg.max_tokens)
         chunks = _chunks(text, units, starts)
         if any(c.n_tokens < cfg.min_tokens for c in chunks) and len(chunks) > 1:
-            chunks = _repair_small(text, chunks, cfg.min_tokens, cfg.max_tokens, self.embedder._counter)
+            chunks = _repair_small(text, chunks, cfg.min_tokens, cfg.max_tokens, self.embedder.counter)
         return chunks
 
 
@@ -329,7 +329,7 @@ class FixedSizeChunker:
         self.embedder = embedder if embedder is not None else Embedder.default()
 
     def split(self, text: str) -> list[Chunk]:
-        offs = _token_spans(self.embedder._counter, text)
+        offs = _token_spans(self.embedder.counter, text)
         chunks = []
         for a in range(0, len(offs), self.tokens):
             b = min(len(offs), a + self.tokens)

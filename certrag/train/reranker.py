@@ -72,7 +72,8 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                    evals_per_epoch: int = 1) -> dict:
     from tqdm.auto import tqdm
 
-    from certrag.embed import Embedder, EmbeddingCache, _import_torch, default_model_dir
+    from certrag.backends import import_torch
+    from certrag.embed import Embedder, EmbeddingCache, default_model_dir
     from certrag.data.corpora import wiki_leads
     from certrag.data.nq import load_nq_open, passage_text
     from certrag.home import certrag_home
@@ -88,7 +89,7 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
             raise FileNotFoundError(f"teacher: no reranker card at {teacher / 'card.json'}")
         teacher_card = json.loads((teacher / "card.json").read_text())
         dense_weight = float(teacher_card["dense_weight"])
-    torch = _import_torch()
+    torch = import_torch()
     from tokenizers import Tokenizer
     from transformers import BertConfig, BertForSequenceClassification
 

@@ -89,10 +89,10 @@ def train_head(x1: np.ndarray, x2: np.ndarray, y: np.ndarray, *, hidden: int = 2
     With val_data (pairs from training documents kept aside), the weights of the epoch with the lowest validation
     loss are returned (early stopping); eval_data is only reported, never used to choose.
     """
-    from certrag.embed import _import_torch
+    from certrag.backends import import_torch
     from certrag.segment.head import SegmenterHead
 
-    torch = _import_torch()
+    torch = import_torch()
     from tqdm.auto import tqdm
 
     torch.manual_seed(seed)

@@ -8,8 +8,9 @@ encoders: length-bucketed, grid-padded batches). With several instances an idle 
 what is queued, so even one request is scored by all of them at once (Triton's instance groups, at the level of
 items); without split, a caller's items run whole, in one run.
 
-The wrappers (BatchingEmbedder, BatchingReranker) look like the models they wrap, so the engine's retrieval runs on
-them unchanged.
+The wrappers (BatchingEmbedder, BatchingReranker) implement the stage protocols (certrag.protocols) with the wrapped
+model's name and identity, so the engine's retrieval runs on them unchanged; batched(stages) wraps an entry point's
+Stages (certrag serve).
 """
 
 from __future__ import annotations
@@ -182,14 +183,16 @@ class BatchingEmbedder:
         self.inner = embedder
         self.batcher = DynamicBatcher(embedder.embed, max_batch=max_batch, max_wait_ms=max_wait_ms,
                                       name="embedder", on_batch=on_batch)
+        self.name, self.dim = embedder.name, embedder.dim
+        self.backend = getattr(embedder, "backend", None)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         if isinstance(texts, str):
             raise TypeError("texts must be a list of strings, not one string")
         return self.batcher.submit(list(texts))
 
-    def __getattr__(self, name):  # name, dim, backend, count_tokens, _counter, ...
-        return getattr(self.inner, name)
+    def count_tokens(self, texts: list[str]) -> np.ndarray:
+        return self.inner.count_tokens(texts)
 
 
 class BatchingReranker:
@@ -208,6 +211,9 @@ class BatchingReranker:
                   else [reranker.replica(num_threads=threads) for _ in range(instances)])
         self.batcher = DynamicBatcher([functools.partial(self._pairs, m) for m in models], max_batch=max_batch,
                                       max_wait_ms=max_wait_ms, name="reranker", on_batch=on_batch, split=True)
+        self.name, self.dense_weight, self.skip_rule = reranker.name, reranker.dense_weight, reranker.skip_rule
+        self.identity = reranker.identity
+        self.card, self.backend = getattr(reranker, "card", {}), getattr(reranker, "backend", None)
 
     @staticmethod
     def _pairs(model, pairs: list[tuple[str, str]]) -> np.ndarray:
@@ -226,5 +232,18 @@ class BatchingReranker:
 
         return fused_scores(self, question, passages, dense_scores)
 
-    def __getattr__(self, name):  # name, dense_weight, skip_rule, identity, card, backend, ...
-        return getattr(self.inner, name)
+
+def batched(stages, *, max_batch: int = 64, max_wait_ms: float = 2.0, on_batch=None, rerank_instances: int = 1):
+    """stages (certrag.stages.Stages) with the embedder and the reranker behind dynamic batchers; rerank_instances
+    > 1 splits the process's torch threads among that many reranker instances."""
+    embedder = BatchingEmbedder(stages.embedder, max_batch=max_batch, max_wait_ms=max_wait_ms, on_batch=on_batch)
+    reranker = None
+    if stages.reranker is not None:
+        threads = None
+        if rerank_instances > 1:
+            from certrag.backends import import_torch
+
+            threads = max(1, import_torch().get_num_threads() // rerank_instances)
+        reranker = BatchingReranker(stages.reranker, max_batch=max_batch, max_wait_ms=max_wait_ms,
+                                    on_batch=on_batch, instances=rerank_instances, threads=threads)
+    return stages.replace(embedder=embedder, reranker=reranker)
