@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.certrag-installed
 BUILD_INPUTS := pyproject.toml setup.py CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: demo test bench-deps bench-index bench-segment bench-retrieval bench-scale bench-qa bench-selfrag \
+.PHONY: demo test test-fast bench-deps bench-index bench-segment bench-retrieval bench-scale bench-qa bench-selfrag \
 	bench-conformal bench-lookback bench-factuality bench-encoders bench-serve bench-generate train-segmenter train-reranker \
 	train-factuality train-skip-rule wheel clean
 
@@ -41,6 +41,11 @@ $(BROWSER_STAMP): $(STAMP)
 
 test: $(STAMP) $(BROWSER_STAMP)
 	$(PY) -m pytest -q
+
+# The quick loop while coding: everything but what starts servers, Ray, subprocesses or a wheel build (CI and
+# `make test` run all of it).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 bench-deps: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'

@@ -331,7 +331,7 @@ def report(paths: list[str], write: bool) -> None:
             "the 152k-token vocabulary, and the GPU's bf16 arithmetic is not bit-stable between runs, so tokens "
             "part somewhere in 128 greedy steps even between two plain decodes; the first-difference positions "
             "are what compare (the fused output, whose rounding differs from SDPA's, parts far earlier). "
-            "tests/test_lookback.py checks identical tokens in float32 on the GPU, in both modes."),
+            "tests/certify/test_lookback.py checks identical tokens in float32 on the GPU, in both modes."),
         ]
     text = "\n".join(lines + [_common.footer(meta)])
     print(text)

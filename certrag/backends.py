@@ -328,6 +328,54 @@ class _PassPool:
             return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
 
+class TorchThread:
+    """One dedicated thread whose torch runs on num_threads intra-op threads, set once when it starts (the way
+    _PassPool's workers set theirs): a model given its own thread count (a server's reranker instances) runs its
+    calls here instead of setting and restoring the count on each caller's thread, which would move the process
+    default under other threads for a moment. call(fn) runs fn there and returns its result (or raises its error);
+    calls run one at a time, in order. A forked child starts its own thread on first use."""
+
+    def __init__(self, num_threads: int, name: str = "certrag-torch") -> None:
+        self.num_threads, self.name = num_threads, name
+        self._pid, self._tasks = None, None
+        self._start_lock = threading.Lock()
+
+    def _start(self) -> None:
+        import queue
+
+        torch = import_torch()
+        self._tasks = queue.SimpleQueue()
+        ready = threading.Event()
+        before = torch.get_num_threads()
+
+        def work(tasks) -> None:
+            torch.get_num_threads()  # this thread's own setting is made now, from the default
+            torch.set_num_threads(self.num_threads)
+            ready.set()
+            while True:
+                fn, future = tasks.get()
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 -- handed to the caller
+                        future.set_exception(exc)
+
+        threading.Thread(target=work, args=(self._tasks,), name=self.name, daemon=True).start()
+        ready.wait()
+        torch.set_num_threads(before)  # the process default again, as it was
+        self._pid = os.getpid()
+
+    def call(self, fn):
+        from concurrent.futures import Future
+
+        with self._start_lock:
+            if self._pid != os.getpid():
+                self._start()
+        future: Future = Future()
+        self._tasks.put((fn, future))
+        return future.result()
+
+
 _PASS_POOL: _PassPool | None = None
 _PASS_POOL_LOCK = threading.Lock()
 

@@ -167,9 +167,9 @@ class EngineConfig:
             text = yaml.safe_dump(data, sort_keys=False)
         else:
             text = json.dumps(data, indent=2) + "\n"
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        from certrag.atomic import write_file_atomic
+
+        write_file_atomic(path, text)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "EngineConfig":

@@ -103,9 +103,9 @@ class EmbeddingCache:
         order = np.array(list(self._index.values()), dtype=np.int64)
         vectors = np.stack([self._vectors[i] for i in order]) if len(order) else np.zeros((0, 0), np.float32)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(save({"keys": np.ascontiguousarray(keys), "vectors": vectors}))
-        os.replace(tmp, self.path)
+        from certrag.atomic import write_file_atomic
+
+        write_file_atomic(self.path, save({"keys": np.ascontiguousarray(keys), "vectors": vectors}))
         self._index = {k: i for i, k in enumerate(self._index)}
         self._vectors = list(vectors)
         self._dirty = False
@@ -156,6 +156,10 @@ class Embedder:
         self.batch_size = batch_size
         self.max_length = max_length
         self.num_threads = num_threads
+        # with its own thread count, the model runs on a thread of its own that sets it once (backends.TorchThread)
+        from certrag.backends import TorchThread
+
+        self._thread = TorchThread(num_threads, "certrag-embed") if num_threads else None
         self.max_passes = MAX_PASSES  # 1: a call's batches one after another on all threads (backends.passes)
         self.cache = cache
         self.backend = resolve(backend)
@@ -254,15 +258,14 @@ class Embedder:
                 pooled = hidden[r, :len(enc[i].ids)].mean(0)
                 out[i] = (pooled / pooled.norm().clamp(min=1e-12)).numpy()
 
+        def call():
+            passes(torch, [len(e.ids) for e in enc], self.batch_size, self.pad_grid, run, max_passes=self.max_passes)
+
         with self._lock:
-            previous = torch.get_num_threads()
-            if self.num_threads:
-                torch.set_num_threads(self.num_threads)
-            try:
-                passes(torch, [len(e.ids) for e in enc], self.batch_size, self.pad_grid, run, max_passes=self.max_passes)
-            finally:
-                if self.num_threads:
-                    torch.set_num_threads(previous)
+            if self._thread is not None:
+                self._thread.call(call)
+            else:
+                call()
         return out
 
 

@@ -46,7 +46,7 @@ class CrossEncoderReranker:
     def __init__(self, model_dir: str | os.PathLike = PACKAGE_RERANKER, *, max_length: int = 256,
                  batch_size: int = 32, backend: str = "auto", pad_grid: int = 16, max_batch_tokens: int = 4096,
                  num_threads: int | None = None) -> None:
-        from certrag.backends import MAX_PASSES, check_backend, import_torch, prepare, resolve
+        from certrag.backends import MAX_PASSES, TorchThread, check_backend, import_torch, prepare, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
@@ -58,6 +58,7 @@ class CrossEncoderReranker:
             raise ValueError(f"max_batch_tokens must be a positive integer; got {max_batch_tokens!r}")
         self.max_batch_tokens = max_batch_tokens
         self.num_threads = _threads(num_threads)
+        self._thread = TorchThread(self.num_threads, "certrag-rerank") if self.num_threads else None
         self.max_passes = MAX_PASSES  # 1: a call's batches one after another on all threads (backends.passes)
 
         torch = import_torch()
@@ -95,10 +96,13 @@ class CrossEncoderReranker:
         pass leaves cores idle (certrag.runtime.batching)."""
         from tokenizers import Tokenizer
 
+        from certrag.backends import TorchThread
+
         twin = copy.copy(self)
         twin._tokenizer = Tokenizer.from_str(self._tokenizer.to_str())
         twin._lock = threading.Lock()
         twin.num_threads = _threads(num_threads)
+        twin._thread = TorchThread(twin.num_threads, "certrag-rerank") if twin.num_threads else None
         return twin
 
     @property
@@ -143,16 +147,15 @@ class CrossEncoderReranker:
             feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, 0, self.pad_grid).items()}
             out[rows] = self._model(**feed).logits[:, 0].float().numpy()
 
+        def call():
+            passes(torch, [len(e.ids) for e in enc], batch, self.pad_grid, run, max_tokens=self.max_batch_tokens,
+                   max_passes=self.max_passes)
+
         with self._lock:
-            previous = torch.get_num_threads()
-            if self.num_threads:
-                torch.set_num_threads(self.num_threads)
-            try:
-                passes(torch, [len(e.ids) for e in enc], batch, self.pad_grid, run, max_tokens=self.max_batch_tokens,
-                       max_passes=self.max_passes)
-            finally:
-                if self.num_threads:
-                    torch.set_num_threads(previous)
+            if self._thread is not None:
+                self._thread.call(call)
+            else:
+                call()
         return out
 
     def score(self, question: str, passages: list[str], dense_scores: np.ndarray, *,

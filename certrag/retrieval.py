@@ -104,6 +104,17 @@ def check_questions(questions: Sequence[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class _Candidates:
+    """One question's candidates as the index returned them (dense order), before reranking."""
+
+    ids: np.ndarray
+    dense: np.ndarray
+    chunks: list
+    gap: float | None
+    skipped: bool  # the adaptive skip rule fired: the dense ranking is decisive
+
+
+@dataclass(frozen=True)
 class _Found:
     ids: list
     scores: list
@@ -163,8 +174,11 @@ class Retriever:
         t2 = time.perf_counter()
         embed_ms, search_ms = (t1 - t0) * 1e3 / len(questions), (t2 - t1) * 1e3 / len(questions)
         reranker = self.reranker if rerank is not False else None
-        out = [self._one(view, q, found.ids[qi], found.scores[qi], reranker, selector, embed_ms, search_ms, skip_gap)
-               for qi, q in enumerate(questions)]
+        cands = [self._candidates(view, found.ids[qi], found.scores[qi], reranker, skip_gap)
+                 for qi in range(len(questions))]
+        cross, rerank_ms = self._cross_scores(questions, cands, reranker)
+        out = [self._ranked(q, c, cross.get(qi), reranker, selector, embed_ms, search_ms, rerank_ms)
+               for qi, (q, c) in enumerate(zip(questions, cands))]
         if where is not None:
             for r, d in zip(out, depth):
                 r.trace["where_searched"] = d
@@ -196,26 +210,47 @@ class Retriever:
             depth.append(k)
         return _Found(ids_out, scores_out), depth
 
-    def _one(self, view: StoreView, question: str, ids: np.ndarray, dense: np.ndarray, reranker, selector,
-             embed_ms: float, search_ms: float, skip_gap: float | None = None) -> Retrieval:
+    def _candidates(self, view: StoreView, ids: np.ndarray, dense: np.ndarray, reranker,
+                    skip_gap: float | None) -> "_Candidates":
         # ids the view does not hold (padding, or vectors a writer added after this view was published) are skipped
         keep = np.array([int(c) in view.position for c in ids], dtype=bool) if len(ids) else np.zeros(0, bool)
         ids, dense = ids[keep], dense[keep]
         if self.config.index.metric == "l2":  # -|q - x|^2 of unit vectors is 2 cos - 2
             dense = (1.0 + dense / 2.0).astype(np.float32)
         chunks = [view.chunks[view.position[int(c)]] for c in ids]
-        texts = [c["text"] for c in chunks]
-        t3 = time.perf_counter()
         # the dense lead of the first candidate over the second: the skip rule's feature
         gap = float(dense[0] - dense[1]) if len(dense) > 1 else None
         skipped = reranker is not None and skip_gap is not None and gap is not None and gap >= skip_gap
-        reranker_name = getattr(reranker, "name", None) if reranker is not None else None
-        dense_weight = float(getattr(reranker, "dense_weight", 0.0) or 0.0) if reranker is not None else 0.0
-        if skipped:
-            reranker = None
-        if reranker is not None and len(ids):
-            rerank_scores = reranker.score(question, texts, dense,
-                                           batch_size=self.config.retrieval.rerank_batch).astype(np.float32)
+        return _Candidates(ids, dense, chunks, gap, skipped)
+
+    def _cross_scores(self, questions: Sequence[str], cands: list["_Candidates"], reranker
+                      ) -> tuple[dict[int, np.ndarray], float]:
+        """The cross-encoder scores of every question's candidates that are to be reranked, in one call (a pair's
+        score does not depend on what it is batched with), by question index; and the milliseconds per reranked
+        question."""
+        todo = [qi for qi, c in enumerate(cands) if reranker is not None and not c.skipped and len(c.ids)]
+        if not todo:
+            return {}, 0.0
+        t = time.perf_counter()
+        qs = [questions[qi] for qi in todo for _ in cands[qi].chunks]
+        texts = [ch["text"] for qi in todo for ch in cands[qi].chunks]
+        flat = np.asarray(reranker.cross_scores(qs, texts, batch_size=self.config.retrieval.rerank_batch),
+                          dtype=np.float32)
+        out, at = {}, 0
+        for qi in todo:
+            n = len(cands[qi].chunks)
+            out[qi] = flat[at:at + n]
+            at += n
+        return out, (time.perf_counter() - t) * 1e3 / len(todo)
+
+    def _ranked(self, question: str, c: "_Candidates", cross: np.ndarray | None, reranker, selector,
+                embed_ms: float, search_ms: float, rerank_ms: float) -> Retrieval:
+        ids, dense, chunks, skipped = c.ids, c.dense, c.chunks, c.skipped
+        texts = [ch["text"] for ch in chunks]
+        reranker_name = reranker.name if reranker is not None else None
+        dense_weight = float(reranker.dense_weight or 0.0) if reranker is not None else 0.0
+        if cross is not None:  # the reranker's fused score: ce(q, p) + dense_weight * cos(q, p) (certrag.rerank)
+            rerank_scores = (cross + np.float32(dense_weight) * dense).astype(np.float32)
             order = np.argsort(-rerank_scores, kind="stable")
             ranked, kind = rerank_scores[order], "logit"
         elif skipped and dense_weight > 0:
@@ -235,7 +270,7 @@ class Retriever:
             question=question, chunk_ids=ids[order], doc_ids=tuple(chunks[i]["doc_id"] for i in order),
             texts=tuple(texts[i] for i in order), dense_scores=dense[order], rerank_scores=rerank_scores[order],
             selected=int(selected),
-            trace={"embed_ms": embed_ms, "search_ms": search_ms, "rerank_ms": (t4 - t3) * 1e3,
+            trace={"embed_ms": embed_ms, "search_ms": search_ms, "rerank_ms": rerank_ms if cross is not None else 0.0,
                    "select_ms": (t5 - t4) * 1e3, "candidates": int(len(ids)),
-                   "reranker": reranker_name, "reranked": reranker is not None and len(ids) > 0,
-                   "rerank_skipped": bool(skipped), "dense_gap": gap, "selector": selector.name})
+                   "reranker": reranker_name, "reranked": cross is not None,
+                   "rerank_skipped": bool(skipped), "dense_gap": c.gap, "selector": selector.name})

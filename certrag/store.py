@@ -27,13 +27,13 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from certrag.atomic import fsync_dir, write_durable, write_file_atomic
 from certrag.index import HnswIndex, IndexIOError
 from certrag.shards import ShardedIndex, check_shards
 
@@ -72,32 +72,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Replaces path with data so that a reader sees either the old file or the whole new one, even after a kill."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        _write(tmp, data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
 
 
 class StoreLock:
@@ -222,11 +196,11 @@ def write_store(root: Path, data: StoreData) -> Path:
     tmp.mkdir()
     try:
         chunks = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in data.chunks).encode()
-        _write(tmp / "chunks.jsonl", chunks)
+        write_durable(tmp / "chunks.jsonl", chunks)
         docs = "".join(json.dumps({"id": k, **v}, ensure_ascii=False) + "\n" for k, v in data.documents.items())
-        _write(tmp / "documents.jsonl", docs.encode())
+        write_durable(tmp / "documents.jsonl", docs.encode())
         vectors = data.vectors if len(data.vectors) else np.zeros((0, data.index.dim), np.float32)
-        _write(tmp / "embeddings.safetensors",
+        write_durable(tmp / "embeddings.safetensors",
                save({"ids": np.ascontiguousarray(data.ids, dtype=np.int64),
                      "vectors": np.ascontiguousarray(vectors, dtype=np.float32)}))
         shards = data.index.shards if isinstance(data.index, ShardedIndex) else [data.index]
@@ -250,14 +224,11 @@ def write_store(root: Path, data: StoreData) -> Path:
             if key not in manifest:
                 manifest[key] = value
         manifest_bytes = (json.dumps(manifest, indent=2) + "\n").encode()
-        _write(tmp / "manifest.json", manifest_bytes)
-        _fsync_dir(tmp)
+        write_durable(tmp / "manifest.json", manifest_bytes)
+        fsync_dir(tmp)
         tmp.rename(root / name)
-        _fsync_dir(root)
-        pointer_tmp = root / f".CURRENT.tmp-{os.getpid()}-{threading.get_ident()}"
-        _write(pointer_tmp, f"{name} sha256:{hashlib.sha256(manifest_bytes).hexdigest()}\n".encode())
-        os.replace(pointer_tmp, root / "CURRENT")
-        _fsync_dir(root)
+        fsync_dir(root)
+        write_file_atomic(root / "CURRENT", f"{name} sha256:{hashlib.sha256(manifest_bytes).hexdigest()}\n")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -12,6 +12,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two CPUs to place workers on")
+@pytest.mark.slow  # starts a subprocess
 def test_workers_of_a_pinned_parent_land_on_different_cores():
     """A parent pins itself to one core, then starts workers that pin themselves by their index: worker 1 must get
     the parent's second allowed CPU, not the parent's only one (they all shared core 0 before)."""

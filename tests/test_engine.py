@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import FAST
 
 pytest.importorskip("torch")
 
@@ -16,7 +17,6 @@ from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig  # noq
 from certrag.engine import Engine  # noqa: E402
 from certrag.store import StoreError  # noqa: E402
 
-FAST = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8, rerank=False))
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,7 @@ def test_newer_or_damaged_stores_are_refused(store):
         Engine.open(path, read_only=True)
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_a_kill_during_a_write_leaves_a_store_that_opens(tmp_path, leads):
     path = tmp_path / "store"
     Engine.build(leads[:5], path, FAST, progress=False).close()
@@ -380,6 +381,7 @@ def test_each_selector_gets_its_own_scale_through_the_engine(tmp_path, leads):
     assert any(m == "topp" and n < 10 for m, n in seen)
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_a_missing_path_is_an_error_not_a_document(tmp_path):
     from certrag.documents import load_documents
 
@@ -396,6 +398,7 @@ def test_a_missing_path_is_an_error_not_a_document(tmp_path):
     assert out.returncode != 0 and "does not exist" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_async_twins_run_beside_the_event_loop_and_the_cli_removes(store, leads):
     import asyncio
 
@@ -467,3 +470,37 @@ def test_metadata_filter_keeps_only_matching_documents(tmp_path, leads):
         for bad in ({}, "group", {1: "x"}):
             with pytest.raises(ValueError, match="where"):
                 engine.retrieve(q, where=bad)
+
+
+class CountingReranker:
+    """The real reranker, counting the calls made to it (what the test asserts is how often the engine asks)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+        self.name, self.dense_weight, self.identity = inner.name, inner.dense_weight, inner.identity
+        self.skip_rule = inner.skip_rule
+
+    def cross_scores(self, questions, passages, *, batch_size=None):
+        self.calls += 1
+        return self.inner.cross_scores(questions, passages, batch_size=batch_size)
+
+    def score(self, question, passages, dense_scores, *, batch_size=None):
+        self.calls += 1
+        return self.inner.score(question, passages, dense_scores, batch_size=batch_size)
+
+
+def test_a_batch_of_32_questions_makes_one_reranker_call_with_the_same_results(tmp_path, leads):
+    from certrag.rerank import CrossEncoderReranker
+
+    counting = CountingReranker(CrossEncoderReranker.default())
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=6))
+    questions = [f"What is {row['id'][5:]} known for?" for row in leads[:32]]
+    with Engine.build(leads[:30], tmp_path / "s", config, reranker=counting, progress=False) as engine:
+        batch = engine.retrieve_batch(questions, rerank=True)
+        assert counting.calls == 1
+        for q, r in zip(questions, batch):  # the oracle: each question alone
+            alone = engine.retrieve(q, rerank=True)
+            np.testing.assert_array_equal(r.chunk_ids, alone.chunk_ids)
+            np.testing.assert_array_equal(r.rerank_scores, alone.rerank_scores)
+            assert r.selected == alone.selected and r.trace["reranked"]
+        assert counting.calls == 1 + len(questions)

@@ -241,6 +241,7 @@ def test_crafted_files_with_valid_checksums_raise(saved, case):
             HnswIndex.load(path, mmap=mmap)
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_a_kill_during_save_leaves_a_loadable_file(tmp_path):
     path = tmp_path / "ix"
     script = textwrap.dedent(f"""

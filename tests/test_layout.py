@@ -134,6 +134,7 @@ def test_retrieval_knows_nothing_of_answering(graph):
     assert {m: t for m, t in bad.items() if t} == {}
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_the_public_names_load_without_torch():
     code = ("import sys, certrag\n"
             "for name in certrag.__all__:\n"

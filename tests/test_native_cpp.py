@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None and shutil.which("c++") is None, reason="no C++ toolchain")
+@pytest.mark.slow  # starts a subprocess
 def test_cpp_core_builds_without_python_and_passes(tmp_path):
     cmake = shutil.which("cmake")
     if cmake is None:

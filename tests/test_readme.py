@@ -1,7 +1,7 @@
 """Every ```python block of README.md runs, in order, each in a fresh namespace (so none leans on a name another
 defined), in one subprocess whose working folder holds the files the README names (notes/, article.txt, cal.jsonl).
 A block preceded by `<!-- readme-test: REASON -->` is skipped with that reason: a running server (tested in
-tests/test_serve.py) or the bundled reader, which `make test` does not install (it runs when the reader is there)."""
+tests/serve/test_serve.py) or the bundled reader, which `make test` does not install (it runs when the reader is there)."""
 
 import json
 import re
@@ -47,6 +47,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_every_python_block_of_the_readme_runs(tmp_path):
     found = blocks()
     assert len(found) >= 8, "the README's python blocks were not found"

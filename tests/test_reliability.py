@@ -535,6 +535,7 @@ def test_r2_7_a_fifo_or_folder_in_place_of_an_index_is_refused_at_once(tmp_path)
         certrag._core.HnswIndex.load(str(fifo), False)
 
 
+@pytest.mark.slow  # starts a subprocess
 def test_r2_7_ctrl_c_during_index_exits_130_without_an_abort(tmp_path, leads):
     """SIGINT while indexing ended in SIGABRT ("terminate called without an active exception": a pass thread still
     inside torch when the interpreter finalised) in 7 of 9 runs; now the command drains its passes and exits 130,

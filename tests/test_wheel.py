@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a wheel build and a fresh venv
+
 ROOT = Path(__file__).resolve().parents[1]
 
 EXAMPLE = textwrap.dedent('''

@@ -250,8 +250,12 @@ def plot_sweep(rows: list[dict], path: str | Path, title: str = "") -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    import io
+
+    from certrag.atomic import write_file_atomic
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
+    write_file_atomic(path, buffer.getvalue())
     return path

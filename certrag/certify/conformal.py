@@ -162,7 +162,7 @@ class Calibration:
             raise CalibrationError(f"damaged calibration record ({exc})") from None
 
     def save(self, path: str | Path) -> None:
-        from certrag.store import write_file_atomic
+        from certrag.atomic import write_file_atomic
 
         write_file_atomic(Path(path), (json.dumps(self.to_dict(), indent=2) + "\n").encode())
 

@@ -51,7 +51,7 @@ class FactualityClassifier:
                 "coef": self.coef.tolist(), "intercept": self.intercept, "card": self.card}
 
     def save(self, path: str | Path) -> None:
-        from certrag.store import write_file_atomic
+        from certrag.atomic import write_file_atomic
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from certrag.data.nq import load_nq_open, passage_text
 from certrag.documents import Document
+from certrag.atomic import publish_folder
 from certrag.home import certrag_home
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def pydoc_documents(min_words: int = 8) -> list[ParagraphDocument]:
             deb = next(Path(tmp).glob("python3.11-doc_*.deb"))
             staging = Path(tempfile.mkdtemp(dir=certrag_home()))
             subprocess.run(["dpkg-deb", "-x", str(deb), str(staging)], check=True)
-            staging.rename(root)
+            publish_folder(staging, root)
     docs = []
     for page in sorted(html_root.rglob("*.html")):
         raw = page.read_text(encoding="utf-8", errors="replace")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from certrag.protocols import streams
+
 
 class Cancelled(Exception):
     """The call was cancelled before the model started on it."""
@@ -23,7 +25,7 @@ class CallView:
     def generate(self, messages, **kwargs):
         if self._cancelled is not None and self._cancelled():
             raise Cancelled()
-        local = getattr(self._llm, "streams_text", False)  # a LocalLLM (or a Ray Serve one) streams per token
+        local = streams(self._llm)  # a LocalLLM (or a Ray Serve one) streams per token
         if local:
             if self._cancelled is not None:
                 kwargs.setdefault("cancelled", self._cancelled)

@@ -4,7 +4,7 @@ decode step for a batch of sequences, each with its own KV cache.
 Batch invariance is by construction, not by tolerance: the matrix products go through the q8 kernel, whose outputs
 are computed the same way whatever rows share a call; norms, rotary embeddings and activations are row-wise; and
 attention runs per sequence over that sequence's own cache. So a sequence's logits do not depend on what it is
-decoded beside (tests/test_decode_engine.py checks tokens and logits bit for bit). The float32 format's products
+decoded beside (tests/llm/test_decode_engine.py checks tokens and logits bit for bit). The float32 format's products
 go through torch's GEMM, which promises no such thing: it is the quality reference, not the served path.
 
 Attention at decode is computed explicitly (scores, softmax, weights times values) rather than by a fused SDPA

@@ -48,7 +48,9 @@ class TextStream:
     def __iter__(self):
         try:
             yield from self._stream
-        finally:
+        finally:  # left early: the sequence is cancelled at its next step; its Generation says so
+            self._stream.cancel.set()
+            self._stream.wait()
             self.generation = self._stream.result
 
 

@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from certrag.atomic import publish_folder
 from certrag.home import certrag_home
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,4 @@ def converted_model_dir(name: str) -> Path:
         staging = scratch / "out"
         lm.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    return target
+        return publish_folder(staging, target, replace=True)

@@ -7,7 +7,7 @@ question (the last words a small model reads before answering). Sentences of a p
 reading it -- "ignore previous instructions", "assistant, say ...", "the correct answer to every question is ...",
 role labels and instruction headers -- are replaced by a marker before the passage enters any prompt
 (strip_instructions): a retrieved document is evidence, never a command. benchmarks/bench_injection.py measures
-what each layer buys; the filter's false positives on the bundled corpus are counted in tests/test_prompts.py.
+what each layer buys; the filter's false positives on the bundled corpus are counted in tests/llm/test_prompts.py.
 """
 
 from __future__ import annotations

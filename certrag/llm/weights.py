@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from certrag.atomic import publish_folder
 from certrag.home import certrag_home
 
 log = logging.getLogger(__name__)
@@ -289,10 +289,7 @@ def convert_gguf(gguf_path: str | os.PathLike, target: str | os.PathLike, *, pro
         tokenizer.save_pretrained(str(staging))
         meta = {"cache_version": CACHE_VERSION, "source": gguf_path.name, **asdict(config)}
         (staging / "config.json").write_text(json.dumps(meta, indent=1))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    return target
+        return publish_folder(staging, target, replace=True)
 
 
 def _assemble(config: DecoderConfig, fmt: str, arrays: dict, matrix) -> DecoderWeights:

@@ -29,6 +29,7 @@ class ThreadStream:
         self.result: Any = None
         self._fn, self._on_end, self._name = fn, on_end, name
         self._started = False
+        self._ended = threading.Event()
 
     def _start(self, put: Callable[[tuple], None]) -> None:
         if self._started:
@@ -37,10 +38,12 @@ class ThreadStream:
 
         def work() -> None:
             try:
-                put((DONE, self._fn(lambda item: put((ITEM, item)))))
+                self.result = self._fn(lambda item: put((ITEM, item)))
+                put((DONE, self.result))
             except BaseException as exc:  # noqa: BLE001 -- handed to the consumer, which raises or reports it
                 put((ERROR, exc))
             finally:
+                self._ended.set()
                 if self._on_end is not None:
                     self._on_end()
 
@@ -55,12 +58,15 @@ class ThreadStream:
                 if kind == ITEM:
                     yield value
                 elif kind == DONE:
-                    self.result = value
                     return
                 else:
                     raise value
         finally:
             self.cancel.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until fn has returned or raised (True), or timeout seconds pass (False)."""
+        return self._ended.wait(timeout)
 
     async def events(self, timeout: float | None = None) -> AsyncIterator[tuple[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -75,8 +81,6 @@ class ThreadStream:
                 except asyncio.TimeoutError:
                     yield TIMEOUT, None
                     return
-                if kind == DONE:
-                    self.result = value
                 yield kind, value
                 if kind != ITEM:
                     return

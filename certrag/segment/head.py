@@ -16,17 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from certrag import _core
+from certrag.atomic import write_file_atomic
 
 PACKAGE_HEAD = Path(__file__).resolve().parent / "data" / "head.safetensors"
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class SegmenterHead:
@@ -89,8 +81,8 @@ class SegmenterHead:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = save({"w1": self.w1, "b1": self.b1, "w2": self.w2, "b2": np.array([self.b2], dtype=np.float32)},
                     metadata={"format": "certrag-segmenter-head", "dim": str(self.dim), "hidden": str(self.hidden)})
-        _atomic_write_bytes(path, data)
-        _atomic_write_bytes(path.with_suffix(".json"), (json.dumps(self.card, indent=2) + "\n").encode())
+        write_file_atomic(path, data)
+        write_file_atomic(path.with_suffix(".json"), (json.dumps(self.card, indent=2) + "\n").encode())
 
     def scorer(self, level: str = "auto", precision: str = "float32") -> _core.PairScorer:
         key = (level, precision)

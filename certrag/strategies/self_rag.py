@@ -212,7 +212,9 @@ class Critic:
     batch of prompts, no sampling, no top-k truncation."""
 
     def __init__(self, llm) -> None:
-        if not hasattr(llm, "next_token_probs"):
+        from certrag.protocols import TokenLLM
+
+        if not isinstance(llm, TokenLLM):
             raise TypeError("self_rag needs a local model with the full next-token distribution (certrag LocalLLM); "
                             "an OpenAI-compatible server does not expose it")
         self.llm = llm

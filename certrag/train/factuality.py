@@ -209,7 +209,7 @@ def save_examples(path: str | Path, data: dict, meta: dict) -> None:
     """Arrays in safetensors, predictions and meta in the header's metadata (strings)."""
     from safetensors.numpy import save
 
-    from certrag.store import write_file_atomic
+    from certrag.atomic import write_file_atomic
 
     arrays = {k: np.ascontiguousarray(v) for k, v in data.items() if isinstance(v, np.ndarray)}
     metadata = {"meta": json.dumps(meta), "predictions": json.dumps(data["predictions"])}

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from certrag.atomic import publish_folder
 from certrag.data.splits import stable_fraction
 from certrag.rerank import DEFAULT_RERANKER
 
@@ -272,11 +273,5 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         "remake": remake,
     }
     (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+    publish_folder(tmp, out, replace=True)
     return card

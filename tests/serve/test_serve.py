@@ -16,6 +16,9 @@ import urllib.request
 
 import numpy as np
 import pytest
+from helpers import free_port
+
+pytestmark = pytest.mark.slow  # live servers in subprocesses, Ray Serve
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -24,14 +27,8 @@ KEY = "test-key-123"
 MODEL = "smollm2-135m-instruct"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(store, *extra, key=KEY):
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-c", "from certrag.cli import main; main()", "serve", str(store), "--model", MODEL,
             "--port", str(port), *extra]
     env = dict(os.environ, CERTRAG_API_KEY=key) if key else {k: v for k, v in os.environ.items()
@@ -497,7 +494,7 @@ def test_the_web_page_streams_an_answer_with_its_evidence_in_a_real_browser(serv
         stages = browser.find_element(By.ID, "stages").text
         browser.save_screenshot(str(tmp_path / "serve_page.png"))
         if os.environ.get("CERTRAG_KEEP_SCREENSHOT") == "1":
-            out = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+            out = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
             out.mkdir(parents=True, exist_ok=True)
             browser.save_screenshot(str(out / "serve_page.png"))
         assert (tmp_path / "serve_page.png").stat().st_size > 10_000

@@ -2,24 +2,18 @@
 small standard-library servers that fail or hang."""
 
 import json
-import socket
 import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from helpers import free_port
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from certrag.llm.openai_client import LLMHTTPError, OpenAIChatClient  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +23,7 @@ def served(smollm):
     from certrag.serve.app import create_app
 
     llm = smollm
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(llm, max_body_bytes=4096), host="127.0.0.1", port=port,
                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -133,5 +127,5 @@ def test_client_bad_arguments():
     with pytest.raises(ValueError, match="timeout"):
         OpenAIChatClient("http://x", "m", timeout=0)
     with pytest.raises(LLMHTTPError):
-        OpenAIChatClient(f"http://127.0.0.1:{_free_port()}", "m", retries=0).generate([{"role": "user",
+        OpenAIChatClient(f"http://127.0.0.1:{free_port()}", "m", retries=0).generate([{"role": "user",
                                                                                         "content": "x"}])

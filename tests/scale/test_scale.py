@@ -1,7 +1,7 @@
 """certrag on Ray, on a local Ray cluster started in this process (ray.init(num_cpus=2); no network): indexing as a
 Ray Data job against the local build of the same corpus (the oracle), a worker killed mid-job, a failed job that
 must leave nothing behind, and a sharded store served by shard actors against the same store in this process. The
-HTTP suite against Ray Serve is tests/test_serve.py's (its server fixture runs both ways)."""
+HTTP suite against Ray Serve is tests/serve/test_serve.py's (its server fixture runs both ways)."""
 
 import json
 import os
@@ -12,15 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import FAST
 
 pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 
-from certrag.config import EngineConfig, IndexConfig, RetrievalConfig  # noqa: E402
+from certrag.config import IndexConfig  # noqa: E402
 from certrag.engine import Engine  # noqa: E402
 from certrag.store import StoreError  # noqa: E402
 
-FAST = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8, rerank=False))
+pytestmark = pytest.mark.slow  # a local Ray cluster
+
 QUESTIONS = ("the capital of France", "a river in Africa", "a programming language", "a famous painter",
              "a war in Europe")
 
