@@ -159,6 +159,43 @@ def test_models_and_embeddings(client, server):
     assert got.usage.prompt_tokens == int(Embedder.default().count_tokens(texts).sum())
 
 
+def test_chat_with_the_rag_model_answers_from_the_store_with_its_evidence(client, store, smollm):
+    """The OpenAI client against the RAG model: the answer the engine gives in this process, its evidence in the
+    `certrag` field; streaming ends with the evidence and, when asked for, OpenAI's usage chunk; an unknown model
+    is 404; earlier turns reach the prompt."""
+    from certrag.engine import Engine
+
+    question = "Who was Albert Einstein?"
+    with Engine.open(store, read_only=True) as engine:
+        want = engine.answer(question, llm=smollm, max_new_tokens=24)
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == "certrag" and "certrag:chain_of_note" in ids and MODEL in ids
+    done = client.chat.completions.create(model="certrag", messages=[{"role": "user", "content": question}],
+                                          max_tokens=24)
+    assert done.choices[0].message.content == want.text and done.model == "certrag"
+    evidence = done.model_extra["certrag"]
+    assert evidence["cited_chunk_ids"] == list(want.cited_chunk_ids)
+    assert [c["chunk_id"] for c in evidence["retrieval"]["candidates"]] == [int(c) for c in want.retrieval.chunk_ids]
+    assert done.usage.prompt_tokens == want.input_tokens and done.usage.completion_tokens == want.output_tokens
+    chunks = list(client.chat.completions.create(model="certrag", messages=[{"role": "user", "content": question}],
+                                                 max_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.output_tokens
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == want.text
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-2].model_extra["certrag"]["cited_chunk_ids"] == list(want.cited_chunk_ids)
+    plain = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True))
+    assert all(c.usage is None for c in plain)  # no usage chunk unless asked for
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=4)
+    assert info.value.body["code"] == "model_not_found" and "certrag" in info.value.body["message"]
+    turns = [{"role": "user", "content": "I am reading about physicists."},
+             {"role": "assistant", "content": "Which one?"}, {"role": "user", "content": question}]
+    followed = client.chat.completions.create(model="certrag", messages=turns, max_tokens=24)
+    assert followed.usage.prompt_tokens > want.input_tokens  # the conversation reached the prompt
+    assert followed.model_extra["certrag"]["retrieval"]["question"] == question  # retrieval reads the question
+
+
 def test_rerank_and_retrieve_match_the_engine(server, store):
     from certrag.engine import Engine
 
