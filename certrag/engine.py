@@ -543,6 +543,7 @@ class Engine:
         if retrieval is not None and retrieval.question != question:
             raise ValueError("retrieval was made for another question")
         r = self.retrieve(question) if retrieval is None else retrieval
+        retrieve_ms = (time.perf_counter() - t0) * 1e3 if retrieval is None else retrieval_ms(r)
         certification = None
         if opts.certify or opts.force_certify:
             r = self._scored_for_calibration(question, r)
@@ -554,7 +555,7 @@ class Engine:
             relevance = default_relevance()
         return answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
                            certification=certification, classifier=classifier, relevance=relevance,
-                           retrieve_ms=(time.perf_counter() - t0) * 1e3)
+                           retrieve_ms=retrieve_ms)
 
     def _scored_for_calibration(self, question: str, r: Retrieval) -> Retrieval:
         """r, or the question retrieved again with the reranker when the calibration is on reranker logits and the
@@ -623,6 +624,11 @@ class Engine:
         questions = check_questions(questions)
         return self._retriever.retrieve_batch(self._view, questions, candidates=candidates, selector=selector,
                                               rerank=rerank, where=where)
+
+
+def retrieval_ms(r: Retrieval) -> float:
+    """What a retrieval took, from its own trace (embed, search, rerank and select, per question)."""
+    return float(sum(r.trace.get(k) or 0.0 for k in ("embed_ms", "search_ms", "rerank_ms", "select_ms")))
 
 
 def _stages(config: EngineConfig, stages: Stages | None, embedder, reranker) -> Stages:

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import FAST
+from helpers import FAST, Scripted
 
 pytest.importorskip("torch")
 
@@ -504,3 +504,13 @@ def test_a_batch_of_32_questions_makes_one_reranker_call_with_the_same_results(t
             np.testing.assert_array_equal(r.rerank_scores, alone.rerank_scores)
             assert r.selected == alone.selected and r.trace["reranked"]
         assert counting.calls == 1 + len(questions)
+
+
+def test_an_answer_on_a_given_retrieval_reports_that_retrievals_time(store):
+    # the server retrieves first, then answers on that retrieval: its trace said retrieve_ms 0.003 while reranking
+    # took seconds
+    engine, _ = store
+    r = engine.retrieve("What is the capital of France?")
+    a = engine.answer(r.question, retrieval=r, llm=Scripted(["unknown"]))
+    stages = sum(r.trace[k] for k in ("embed_ms", "search_ms", "rerank_ms", "select_ms"))
+    assert a.trace["retrieve_ms"] == pytest.approx(stages) and a.trace["retrieve_ms"] > 0.1

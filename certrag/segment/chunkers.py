@@ -302,8 +302,18 @@ class Segmenter:
         if cfg.paragraph_breaks:
             para = np.asarray(units.paragraph)
             joints = np.flatnonzero(para[1:] != para[:-1])
-            cuts += [int(i) + 1 for i in joints]
             strength[joints] = -1.0  # weaker than any probability: merged across last, split at first
+            for j in joints:
+                # a heading or lead-in (a one-sentence paragraph with no sentence-final stop: "## Warranty",
+                # "Features:") belongs to the paragraph after it: no cut there, and stronger than any probability
+                a, b = units.spans[j]
+                heading = (j == 0 or para[j - 1] != para[j]) and not text[a:b].rstrip().endswith(
+                    (".", "!", "?", '."', '?"', '!"'))
+                if heading:
+                    strength[j] = 2.0
+                    cuts = [c for c in cuts if c != j + 1]
+                else:
+                    cuts.append(int(j) + 1)
         cuts = sorted(set(cuts))
         starts = _enforce_sizes(cuts, units.tokens, strength, cfg.min_tokens, cfg.max_tokens)
         chunks = _chunks(text, units, starts)

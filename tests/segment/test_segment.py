@@ -173,3 +173,20 @@ def test_paragraph_breaks_are_hard_cuts(embedder):
     titled = f"Violin\n\n{one}\n\n{two}"
     chunks = Segmenter(embedder=embedder, config=SegmenterConfig(**never)).split(titled)
     assert [titled[c.start:c.end] for c in chunks] == [f"Violin\n\n{one}", two]
+
+
+def test_a_heading_joins_the_paragraph_it_heads_not_the_one_before(embedder):
+    # the review's case: "## Warranty" ended the previous chunk, away from the warranty's own paragraph
+    one = ("The kettle boils a litre of water in under three minutes and switches itself off when the water is hot, "
+           "so it can be left alone on the counter.")
+    two = ("The kettle has a three-year warranty from the date of purchase, covering the heating element and the "
+           "switch but not limescale damage.")
+    never = dict(min_tokens=8, max_tokens=512, window_tokens=512, threshold=0.0)  # the head never cuts
+    for heading in ("## Warranty", "Warranty:", "Warranty"):
+        text = f"{one}\n\n{heading}\n\n{two}"
+        chunks = Segmenter(embedder=embedder, config=SegmenterConfig(**never)).split(text)
+        assert [text[c.start:c.end] for c in chunks] == [one, f"{heading}\n\n{two}"], heading
+    # a short paragraph that ends its sentence is no heading: it stays a paragraph of its own
+    text = f"{one}\n\nIt is blue and white, like the sea.\n\n{two}"
+    chunks = Segmenter(embedder=embedder, config=SegmenterConfig(**never)).split(text)
+    assert text[chunks[0].start:chunks[0].end] == one
