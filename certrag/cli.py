@@ -218,17 +218,24 @@ def _open_engine(store: Path, read_only: bool):
               help="Ray workers (actors), each loading the models once (with --ray).")
 @click.option("--force", is_flag=True,
               help="Build a new store in a folder that holds other files (they are left as they are).")
+@click.option("--cleanup", is_flag=True,
+              help="On an existing store, also remove the documents that SRC no longer holds (the store then holds "
+                   "exactly SRC's documents).")
 @click.option("--json", "as_json", is_flag=True, help="Print the build report as JSON.")
 def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker: str | None, shards: int | None,
-          reranker: str | None, ray_address: str | None, workers: int, force: bool, as_json: bool) -> None:
+          reranker: str | None, ray_address: str | None, workers: int, force: bool, cleanup: bool,
+          as_json: bool) -> None:
     """Index SRC (files, folders of .txt/.md, JSONL or Parquet with id, text, metadata) into a store: creates it,
-    or adds to it when it exists."""
+    or, when it exists, brings it up to date by content (new documents added, changed ones replaced, unchanged ones
+    left; with --cleanup, documents SRC no longer holds removed)."""
     from certrag.config import EngineConfig
     from certrag.engine import Engine
     from certrag.store import StoreError
 
     try:
         config = None
+        if cleanup and (ray_address is not None or not (store / "CURRENT").exists()):
+            raise click.UsageError("--cleanup applies to an existing store, indexed here (not with --ray)")
         if (store / "CURRENT").exists():
             if config_path or chunker or shards or reranker:
                 raise click.UsageError("--config, --chunker, --shards and --reranker apply to a new store only")
@@ -248,7 +255,14 @@ def index(src: tuple[Path, ...], store: Path, config_path: Path | None, chunker:
                 report = engine.build_report
         elif config is None:
             with _open_engine(store, read_only=False) as engine:
-                report = engine.add(list(src))
+                synced = engine.sync(list(src), cleanup=cleanup)
+            if as_json:
+                click.echo(json.dumps({"store": str(store), **dataclasses.asdict(synced)}))
+            else:
+                click.echo(f"added {synced.added}, replaced {synced.replaced}, removed {synced.removed}, unchanged "
+                           f"{synced.unchanged} documents ({synced.chunks} chunks indexed in {synced.seconds:.1f} s) "
+                           f"-> {store}")
+            return
         else:
             with Engine.build(list(src), store, config, force=force) as engine:
                 report = engine.build_report

@@ -31,7 +31,7 @@ from certrag.store import StoreData, StoreError, StoreLock, foreign_entries, rea
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Answer", "AnswerOptions", "BuildReport", "Engine", "Retrieval"]
+__all__ = ["Answer", "AnswerOptions", "BuildReport", "Engine", "Retrieval", "SyncReport"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,28 @@ class BuildReport:
     chunks: int
     skipped_empty: tuple[str, ...]
     seconds: float
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What Engine.sync did: documents added, replaced (changed content), removed (cleanup), left unchanged, and the
+    chunks it indexed."""
+
+    added: int
+    replaced: int
+    removed: int
+    unchanged: int
+    chunks: int
+    seconds: float
+
+
+def content_hash(doc: Document) -> str:
+    """SHA-256 of a document's text and metadata: what Engine.sync compares."""
+    import hashlib
+    import json
+
+    payload = json.dumps({"text": doc.text, "metadata": doc.metadata}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _backend_of(model) -> dict | None:
@@ -287,7 +309,8 @@ class Engine:
                 continue
             ids = list(range(next_id, next_id + len(p.chunks)))
             new_chunks += [{"id": i, "doc_id": doc.id, **c} for i, c in zip(ids, p.chunks)]
-            new_docs[doc.id] = {"metadata": doc.metadata, "chunk_ids": ids, "characters": len(doc.text)}
+            new_docs[doc.id] = {"metadata": doc.metadata, "chunk_ids": ids, "characters": len(doc.text),
+                                "sha256": content_hash(doc)}
             next_id += len(ids)
             if len(p.chunks):
                 parts.append(p.vectors)
@@ -361,6 +384,35 @@ class Engine:
                     self._data = read_store(self.path, mmap=False)
                     self._publish()
                 raise
+
+    def sync(self, documents: object, *, cleanup: bool = False, progress: bool = True) -> "SyncReport":
+        """Brings the store up to date with documents, by content: a document the store does not hold is added, one
+        whose text or metadata changed (their SHA-256) is replaced, an unchanged one is left as it is; cleanup=True
+        also removes every document of the store that is not among documents (the store then holds exactly them).
+        One new store version at most (none when nothing changed); readers see the old set or the new one."""
+        self._writable()
+        docs = load_documents(documents)
+        with self._write_lock:
+            held = self._data.documents
+            given = {d.id for d in docs}
+            new = [d for d in docs if d.id not in held]
+            changed = [d for d in docs if d.id in held and held[d.id].get("sha256") != content_hash(d)]
+            gone = [i for i in held if i not in given] if cleanup else []
+            going = [d.id for d in changed] + gone
+            if not new and not going:
+                return SyncReport(added=0, replaced=0, removed=0, unchanged=len(docs), chunks=0, seconds=0.0)
+            try:
+                if going:
+                    self._remove(going, commit=not (new or changed))
+                report = self._ingest(new + changed, progress) if new or changed else None
+            except BaseException:
+                if going:  # memory goes back to the version on disk
+                    self._data = read_store(self.path, mmap=False)
+                    self._publish()
+                raise
+            return SyncReport(added=len(new), replaced=len(changed), removed=len(gone),
+                              unchanged=len(docs) - len(new) - len(changed),
+                              chunks=report.chunks if report else 0, seconds=report.seconds if report else 0.0)
 
     def _remove(self, doc_ids: Sequence[str] | str, commit: bool = True) -> int:
         if isinstance(doc_ids, str):

@@ -235,7 +235,41 @@ def test_cli_index_search_info(tmp_path, leads):
     res = runner.invoke(main, ["index", str(more), "--store", str(tmp_path / "s"), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)  # the progress bar goes to stderr
-    assert report["documents"] == 3 and report["chunks"] >= 3 and report["skipped_empty"] == []
+    assert report["added"] == 3 and report["chunks"] >= 3 and report["replaced"] == report["removed"] == 0
+
+
+def test_reindexing_an_edited_folder_adds_replaces_and_with_cleanup_removes(tmp_path, leads):
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+
+    notes, store = tmp_path / "notes", tmp_path / "s"
+    notes.mkdir()
+    for d in leads[:4]:
+        (notes / f"{d['id'][5:]}.txt").write_text(d["text"])
+    cfg = tmp_path / "config.json"
+    FAST.save(cfg)
+    runner = CliRunner()
+    assert runner.invoke(main, ["index", str(notes), "--store", str(store), "--config", str(cfg)]).exit_code == 0
+    first, second, third = sorted(notes.iterdir())[:3]
+    first.write_text("Kettle warranty\nThe kettle has a three-year warranty from the date of purchase.")
+    (notes / "new.txt").write_text(leads[5]["text"])
+    third.unlink()
+    res = runner.invoke(main, ["index", str(notes), "--store", str(store), "--json"])  # was: "already in the store"
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert (out["added"], out["replaced"], out["removed"], out["unchanged"]) == (1, 1, 0, 2)
+    with Engine.open(store, read_only=True) as engine:
+        assert third.name in engine.documents  # without --cleanup nothing goes
+        hit = engine.retrieve("How long is the kettle warranty?")
+        assert hit.doc_ids[0] == first.name and "three-year" in hit.texts[0]
+    res = runner.invoke(main, ["index", str(notes), "--store", str(store), "--cleanup", "--json"])
+    out = json.loads(res.stdout)
+    assert (out["added"], out["replaced"], out["removed"], out["unchanged"]) == (0, 0, 1, 4)
+    res = runner.invoke(main, ["index", str(notes), "--store", str(store), "--json"])  # nothing left to do
+    assert json.loads(res.stdout)["unchanged"] == 4 and json.loads(res.stdout)["chunks"] == 0
+    with Engine.open(store, read_only=True) as engine:
+        assert sorted(engine.documents) == sorted(p.name for p in notes.iterdir())
 
 
 def test_cli_a_model_that_is_not_installed_is_one_line_naming_its_install_command(store, monkeypatch):
