@@ -88,6 +88,7 @@ class Answer:
     lookback: object = None  # certrag.certify.lookback.LookbackFeatures of the answer's generation, with confidence
     grounding: object = None  # certrag.grounding.Grounding of an open answer when it was checked
     finish_reason: str = "stop"  # of the call that wrote the answer: "length" when max tokens cut it
+    support: dict | None = None  # Engine.support: did retrieval find anything the calibration trusts
 
     def to_dict(self) -> dict:
         return {"question": self.question, "answer": self.text, "strategy": self.strategy,
@@ -98,7 +99,7 @@ class Answer:
                 "notes": [{"passage": n.passage, "kind": n.kind, "claimed": n.claimed or n.kind, "text": n.text}
                           for n in self.notes],
                 "rejected": self.rejected, "malformed": self.malformed, "rounds": self.rounds,
-                "finish_reason": self.finish_reason,
+                "finish_reason": self.finish_reason, "support": self.support,
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens, "cost": self.cost,
                 "model": self.model, "trace": self.trace}
 

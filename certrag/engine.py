@@ -11,6 +11,8 @@ in one assignment when the version is on disk.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -493,13 +495,34 @@ class Engine:
 
     @property
     def calibration(self):
-        """The stored conformal calibration (certrag.certify.conformal.Calibration), or None when the store has
-        none."""
+        """The store's conformal calibration (certrag.certify.conformal.Calibration); when it has none of its own,
+        the default shipped with its reranker (made on NQ-open: its source says so, and certification says it was
+        not made on this store), or None when no default fits the store's embedder and reranker."""
         from certrag.certify.conformal import CALIBRATION_FILE, Calibration
 
         if self._calibration is None and (self.path / CALIBRATION_FILE).exists():
             self._calibration = Calibration.load(self.path / CALIBRATION_FILE)
-        return self._calibration
+        if self._calibration is not None:
+            return self._calibration
+        return default_calibration(self.embedder_name, self.reranker_identity())
+
+    def support(self, r: Retrieval) -> dict | None:
+        """Whether retrieval found anything the calibration trusts for this question: the best candidate's score
+        against the calibration's threshold (a question whose answer the store does not hold scores far below it).
+        None without a calibration, or when the retrieval has no scores on its scale (the reranker skipped)."""
+        from certrag.certify.conformal import CalibrationError, calibrated_scores
+
+        cal = self.calibration
+        if cal is None:
+            return None
+        try:
+            scores = calibrated_scores(r.rerank_scores, r.dense_scores, cal.score_transform)
+        except CalibrationError:
+            return None
+        best = float(scores.max()) if len(scores) else None
+        supported = cal.s_thres is None or (best is not None and best >= cal.s_thres)
+        return {"supported": bool(supported), "best_score": best, "threshold": cal.s_thres, "alpha": cal.alpha,
+                "calibration": cal.source or "this store"}
 
     def set_calibration(self, calibration) -> None:
         """Stores a calibration with the store (atomically), after checking it matches this engine's models."""
@@ -605,9 +628,10 @@ class Engine:
             from certrag.grounding import default_relevance
 
             relevance = default_relevance()
-        return answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
-                           certification=certification, classifier=classifier, relevance=relevance,
-                           retrieve_ms=retrieve_ms)
+        a = answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
+                        certification=certification, classifier=classifier, relevance=relevance,
+                        retrieve_ms=retrieve_ms)
+        return dataclasses.replace(a, support=self.support(r))
 
     def _scored_for_calibration(self, question: str, r: Retrieval) -> Retrieval:
         """r, or the question retrieved again with the reranker when the calibration is on reranker logits and the
@@ -676,6 +700,33 @@ class Engine:
         questions = check_questions(questions)
         return self._retriever.retrieve_batch(self._view, questions, candidates=candidates, selector=selector,
                                               rerank=rerank, where=where)
+
+
+def default_calibration(embedder: str, reranker: dict | None):
+    """The calibration shipped with a packaged reranker (certrag.train.default_calibration), when it was made with
+    this embedder and exactly this reranker; else None."""
+    if reranker is None:
+        return None
+    return _shipped_calibration(embedder, reranker.get("name"), reranker.get("weights_sha256"))
+
+
+@functools.lru_cache(maxsize=8)
+def _shipped_calibration(embedder: str, name: str | None, weights: str | None):
+    from certrag.certify.conformal import DEFAULT_CALIBRATION_FILE as DEFAULT_FILE
+    from certrag.certify.conformal import Calibration, CalibrationError
+    from certrag.rerank import PACKAGE_RERANKERS
+
+    folder = PACKAGE_RERANKERS.get(name)
+    if folder is None or not (folder / DEFAULT_FILE).exists():
+        return None
+    try:
+        cal = Calibration.load(folder / DEFAULT_FILE)
+    except CalibrationError:
+        return None
+    made_with = cal.reranker or {}
+    if cal.embedder != embedder or made_with.get("weights_sha256") != weights or made_with.get("name") != name:
+        return None
+    return cal
 
 
 def retrieval_ms(r: Retrieval) -> float:

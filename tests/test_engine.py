@@ -548,3 +548,24 @@ def test_an_answer_on_a_given_retrieval_reports_that_retrievals_time(store):
     a = engine.answer(r.question, retrieval=r, llm=Scripted(["unknown"]))
     stages = sum(r.trace[k] for k in ("embed_ms", "search_ms", "rerank_ms", "select_ms"))
     assert a.trace["retrieve_ms"] == pytest.approx(stages) and a.trace["retrieve_ms"] > 0.1
+
+
+def test_a_new_store_certifies_out_of_the_box_with_the_shipped_nq_calibration(tmp_path, leads):
+    from certrag.certify.conformal import DEFAULT_CALIBRATION_FILE
+    from certrag.rerank import PACKAGE_RERANKER
+
+    assert (PACKAGE_RERANKER / DEFAULT_CALIBRATION_FILE).exists()  # shipped with the reranker
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8))
+    with Engine.build(leads[:30], tmp_path / "s", config, progress=False) as engine:
+        cal = engine.calibration
+        assert cal is not None and "not on this store" in cal.source and "certrag calibrate" in cal.source
+        on_topic = engine.retrieve(leads[3]["metadata"]["description"])
+        off_topic = engine.retrieve("What is the boiling point of mercury in degrees Celsius?")
+        assert engine.support(on_topic)["supported"] and not engine.support(off_topic)["supported"]
+        assert engine.support(off_topic)["best_score"] < cal.s_thres
+        # certify=True abstains without calling the model (a scripted reader with nothing to say would raise)
+        a = engine.answer(off_topic.question, retrieval=off_topic, llm=Scripted([]), certify=True)
+        assert a.text == "unknown" and a.rejected and a.support["supported"] is False
+        assert "not on this store" in a.certification.reason
+        b = engine.answer(on_topic.question, retrieval=on_topic, llm=Scripted(["an answer"]))
+        assert b.support["supported"] and b.to_dict()["support"]["calibration"].startswith("calibrated on NQ-open")

@@ -37,6 +37,7 @@ from typing import Sequence
 import numpy as np
 
 CALIBRATION_FILE = "calibration.json"
+DEFAULT_CALIBRATION_FILE = "calibration-nq-open.json"  # beside a packaged reranker: certrag.train.default_calibration
 FORMAT_VERSION = 1
 
 
@@ -134,6 +135,7 @@ class Calibration:
     span_tokens: int = 0  # answers of at most this many tokens must occur as a whole span (0: records before the rule)
     n_without_correct: int = 0  # calibration items left out of the quantile: no correct chunk among the candidates
     reranker_backend: str | None = None  # float32 | bfloat16 | int8 the scores were computed in (None: not recorded)
+    source: str = ""  # "" : made on this store; else where it was made (the shipped NQ-open default says so)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -199,9 +201,12 @@ class Certification:
     def trusted_count(self) -> int:
         return int(self.trusted.sum())
 
+    source: str = ""  # the calibration's (Calibration.source)
+
     def to_dict(self) -> dict:
         return {"alpha": self.alpha, "s_thres": self.s_thres, "applied": self.applied, "reason": self.reason,
-                "trusted": self.trusted.tolist(), "scores": [float(s) for s in self.scores]}
+                "trusted": self.trusted.tolist(), "scores": [float(s) for s in self.scores],
+                "calibration": self.source or "this store"}
 
 
 # ---------------------------------------------------------------------------------------------- diagnostics
@@ -285,10 +290,12 @@ def certify(calibration: Calibration | None, retrieval, *, force: bool = False, 
     if cal.reranker_backend and reranker_backend and cal.reranker_backend != reranker_backend:
         stale += (f"; calibrated with the reranker in {cal.reranker_backend}, which now runs in {reranker_backend}: "
                   f"recalibrate for the stated coverage")
+    if cal.source:
+        stale += f"; {cal.source}"
     if cal.holds or force:
         return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=True,
                              reason=(("forced although the guarantee does not hold" if not cal.holds else "")
-                                     + stale).lstrip("; "))
+                                     + stale).lstrip("; "), source=cal.source)
     return Certification(scores=scores, trusted=trusted, s_thres=cal.s_thres, alpha=cal.alpha, applied=False,
                          reason="the guarantee does not hold for this retriever and data: "
-                                + "; ".join(cal.diagnostics.reasons) + stale)
+                                + "; ".join(cal.diagnostics.reasons) + stale, source=cal.source)
