@@ -485,9 +485,11 @@ def test_schemathesis_finds_no_server_errors_or_schema_violations(store, tmp_pat
 
 
 def test_the_web_page_streams_an_answer_with_its_evidence_in_a_real_browser(server, store, tmp_path):
-    """Headless Chromium (the system's, through Selenium and chromedriver) on `/`: ask, watch the answer stream in,
-    then check the page against the same question asked over HTTP. The screenshot goes to the test's folder, and to
-    benchmarks/results/serve_page.png (the one kept in the repository) with CERTRAG_KEEP_SCREENSHOT=1."""
+    """Headless Chromium (the system's, through Selenium and chromedriver) on `/`, in the page's three states: a
+    supported, certified answer; a question the store cannot answer (the trust line warns of weak retrieval); an
+    answer cut at the token limit (the trust line says so). Each is checked on the DOM against the same question
+    asked over HTTP. Screenshots go to the test's folder, and to benchmarks/results/serve_page_<state>.png (kept in
+    the repository) with CERTRAG_KEEP_SCREENSHOT=1."""
     import shutil
     from pathlib import Path
 
@@ -503,45 +505,85 @@ def test_the_web_page_streams_an_answer_with_its_evidence_in_a_real_browser(serv
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,1000"):
+                 "--window-size=1280,1100"):
         options.add_argument(flag)
+    keep = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     browser = webdriver.Chrome(service=Service(driver_path), options=options)
+    shown = {}
     try:
         browser.get(server + "/")
         wait = WebDriverWait(browser, 120)
         wait.until(lambda b: "ready" in b.find_element(By.ID, "status").text)
+        # this model has no factuality classifier: the page offers no confidence box
+        assert not browser.find_element(By.ID, "confidence-box").is_displayed()
         browser.find_element(By.ID, "key").send_keys(KEY)
-        browser.find_element(By.ID, "question").send_keys("Who was Albert Einstein?")
-        browser.find_element(By.ID, "go").click()
-        seen = set()
+        for state, question, certify, max_tokens in (
+                ("trusted", "Who wrote the Aeneid?", True, None),  # the store holds the Aeneid's article
+                ("untrusted", "What is the boiling point of mercury in degrees Celsius?", False, None),
+                ("cut", "Who wrote the Aeneid?", False, 2)):
+            box = browser.find_element(By.ID, "question")
+            box.clear()
+            box.send_keys(question)
+            tick = browser.find_element(By.ID, "certify")
+            if tick.is_selected() != certify:
+                tick.click()
+            limit = browser.find_element(By.ID, "max-tokens")
+            limit.clear()
+            if max_tokens:
+                limit.send_keys(str(max_tokens))
+            browser.find_element(By.ID, "go").click()
+            seen = set()
 
-        def finished(b):
-            seen.add(b.find_element(By.ID, "answer").text)  # the answer as it grows
-            return b.find_element(By.ID, "answer-meta").text
+            def finished(b):
+                seen.add(b.find_element(By.ID, "answer").text)  # the answer as it grows
+                return b.find_element(By.ID, "trust").is_displayed() and b.find_element(By.ID, "answer-meta").text
 
-        try:
-            wait.until(finished)
-        except Exception:  # say what the page shows, not only that it timed out
-            shown = browser.find_element(By.ID, "answer").text
-            raise AssertionError(f"the answer never finished; the page shows {shown!r} "
-                                 f"(status {browser.find_element(By.ID, 'status').text!r})") from None
-        rows = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#candidates tbody tr")]
-        shown_answer = browser.find_element(By.ID, "answer").text
-        cut = browser.find_element(By.ID, "cut").text
-        stages = browser.find_element(By.ID, "stages").text
-        browser.save_screenshot(str(tmp_path / "serve_page.png"))
-        if os.environ.get("CERTRAG_KEEP_SCREENSHOT") == "1":
-            out = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-            out.mkdir(parents=True, exist_ok=True)
-            browser.save_screenshot(str(out / "serve_page.png"))
-        assert (tmp_path / "serve_page.png").stat().st_size > 10_000
+            try:
+                wait.until(finished)
+            except Exception:  # say what the page shows, not only that it timed out
+                raise AssertionError(f"{state}: the answer never finished; the page shows "
+                                     f"{browser.find_element(By.ID, 'answer').text!r}") from None
+            trust = browser.find_element(By.ID, "trust")
+            shown[state] = {
+                "answer": browser.find_element(By.ID, "answer").text, "seen": seen,
+                "trust": trust.text, "trust_class": trust.get_attribute("class"),
+                "meta": browser.find_element(By.ID, "answer-meta").text,
+                "rows": [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#candidates tbody tr")],
+                "cut": browser.find_element(By.ID, "cut").text, "stages": browser.find_element(By.ID, "stages").text,
+                "trusted_docs": len(browser.find_elements(By.CSS_SELECTOR, "#candidates td.trusted"))}
+            browser.save_screenshot(str(tmp_path / f"serve_page_{state}.png"))
+            if os.environ.get("CERTRAG_KEEP_SCREENSHOT") == "1":
+                keep.mkdir(parents=True, exist_ok=True)
+                browser.save_screenshot(str(keep / f"serve_page_{state}.png"))
+            assert (tmp_path / f"serve_page_{state}.png").stat().st_size > 10_000
+        # a chunk opens to its whole text with its document and position
+        first = browser.find_element(By.CSS_SELECTOR, "#candidates tbody tr details")
+        first.find_element(By.TAG_NAME, "summary").click()
+        assert "document " in first.text and " · chunk " in first.text and "candidate 1" in first.text
+        assert browser.execute_script("return plain(arguments[0])", "## Warranty\n**Three** years, see [terms](x).") \
+            == "Warranty\nThree years, see terms."
+        legend = browser.find_element(By.ID, "legend").text
+        assert all(w in legend for w in ("selected", "cited", "the cut", "trusted"))
     finally:
         browser.quit()
-    want = json.loads(_post(server, "/v1/answer", {"question": "Who was Albert Einstein?"})[2])
-    retrieved = json.loads(_post(server, "/v1/retrieve", {"question": "Who was Albert Einstein?"})[2])
-    assert shown_answer.strip() == want["answer"]
-    assert len(rows) == len(retrieved["candidates"]) == 8
-    assert [r.split()[1] for r in rows] == [c["doc_id"].split()[0] for c in retrieved["candidates"]]
-    assert cut.startswith(f"{retrieved['selected']} of 8 candidates selected")
-    assert "embed" in stages and "rerank" in stages and "generate" in stages
-    assert len(seen) >= 2  # it grew: streamed, not shown at once
+    ask = {"question": "Who wrote the Aeneid?"}
+    want = json.loads(_post(server, "/v1/answer", {**ask, "certify": True})[2])
+    retrieved = json.loads(_post(server, "/v1/retrieve", ask)[2])
+    page = shown["trusted"]
+    assert page["answer"].strip() == want["answer"]
+    assert len(page["rows"]) == len(retrieved["candidates"]) == 8
+    assert [r.split()[1] for r in page["rows"]] == [c["doc_id"].split()[0] for c in retrieved["candidates"]]
+    assert page["cut"].startswith(f"{retrieved['selected']} of 8 candidates selected")
+    assert "embed" in page["stages"] and "rerank" in page["stages"] and "generate" in page["stages"]
+    assert len(page["seen"]) >= 2  # it grew: streamed, not shown at once
+    assert want["support"]["supported"] and want["certification"]["applied"]
+    assert page["trust_class"] == "ok" and page["trust"].startswith("Supported") and "Certified" in page["trust"]
+    assert page["trusted_docs"] == sum(want["certification"]["trusted"]) > 0
+    off = json.loads(_post(server, "/v1/answer", {"question": "What is the boiling point of mercury in degrees "
+                                                              "Celsius?"})[2])
+    assert not off["support"]["supported"]
+    page = shown["untrusted"]
+    assert page["trust_class"] == "warn" and "Weak retrieval" in page["trust"] and "NQ-open" in page["trust"]
+    page = shown["cut"]
+    assert page["trust_class"] == "warn" and "cut at the token limit" in page["trust"]
+    assert "finish_reason: length" in page["meta"]
