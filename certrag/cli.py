@@ -63,12 +63,21 @@ def main(verbose: bool) -> None:
 @main.command()
 @click.argument("store", required=False, type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def info(store: Path | None, as_json: bool) -> None:
+@click.option("--full", is_flag=True,
+              help="Open the store (models and index) to add the encoders' backends and the index's statistics.")
+def info(store: Path | None, as_json: bool, full: bool) -> None:
     """What this build is (version, compiler, SIMD, threading), or with STORE what a store holds."""
-    if store is not None:
-
+    if store is not None and full:
         with _open_engine(store, read_only=True) as engine:
             data = engine.info()
+    elif store is not None:
+        from certrag.engine import describe_store
+        from certrag.store import StoreError
+
+        try:
+            data = describe_store(store)
+        except StoreError as exc:
+            raise click.ClickException(str(exc)) from None
     else:
         data = certrag.info()
     if as_json:

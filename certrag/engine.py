@@ -29,7 +29,8 @@ from certrag.index import HnswIndex
 from certrag.retrieval import Retrieval, Retriever, StoreView, check_questions
 from certrag.shards import ShardedIndex
 from certrag.stages import Stages
-from certrag.store import StoreData, StoreError, StoreLock, foreign_entries, read_store, write_store
+from certrag.store import (StoreData, StoreError, StoreLock, foreign_entries, read_manifest, read_store,
+                           write_store)
 
 log = logging.getLogger(__name__)
 
@@ -470,11 +471,7 @@ class Engine:
             cal = self.calibration
         except CalibrationError as exc:
             return {"error": str(exc)}
-        if cal is None:
-            return None
-        d = cal.diagnostics
-        return {"alpha": cal.alpha, "s_thres": cal.s_thres, "n": cal.n, "holds": d.holds,
-                "coverage": d.coverage, "m1": d.m1, "m2": d.m2, "created": cal.created}
+        return calibration_summary(cal)
 
     # ------------------------------------------------------------------------------------- certified retrieval
 
@@ -700,6 +697,38 @@ class Engine:
         questions = check_questions(questions)
         return self._retriever.retrieve_batch(self._view, questions, candidates=candidates, selector=selector,
                                               rerank=rerank, where=where)
+
+
+def calibration_summary(cal) -> dict | None:
+    if cal is None:
+        return None
+    d = cal.diagnostics
+    return {"alpha": cal.alpha, "s_thres": cal.s_thres, "n": cal.n, "holds": d.holds, "coverage": d.coverage,
+            "m1": d.m1, "m2": d.m2, "created": cal.created, "source": cal.source or "this store"}
+
+
+def describe_store(path: str | Path) -> dict:
+    """What a store holds, from its manifest alone (no model, no index, no data file read): what `certrag info
+    STORE` prints. Engine.info adds the encoders' backends and the index's own statistics."""
+    from certrag.certify.conformal import CALIBRATION_FILE, Calibration, CalibrationError
+    from certrag.rerank import PACKAGE_RERANKERS, identity_of
+
+    path = Path(path)
+    m = read_manifest(path)
+    models = m.get("models", {})
+    try:
+        if (path / CALIBRATION_FILE).exists():
+            cal = Calibration.load(path / CALIBRATION_FILE)
+        else:
+            folder = PACKAGE_RERANKERS.get(models.get("reranker"))
+            cal = default_calibration(models.get("embedder"), identity_of(folder)) if folder else None
+        calibration = calibration_summary(cal)
+    except CalibrationError as exc:
+        calibration = {"error": str(exc)}
+    counts = m.get("counts", {})
+    return {"path": str(path), "format_version": m.get("format_version"), "written": m.get("written"),
+            "documents": counts.get("documents"), "chunks": counts.get("chunks"), "models": models,
+            "config": m.get("config"), "index": m.get("index"), "calibration": calibration}
 
 
 def default_calibration(embedder: str, reranker: dict | None):

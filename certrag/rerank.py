@@ -109,13 +109,7 @@ class CrossEncoderReranker:
     def identity(self) -> dict:
         """What a calibration must match: the name, the SHA-256 of the weights and the fusion weight."""
         if self._identity is None:
-            import hashlib
-
-            h = hashlib.sha256()
-            for f in sorted(self.model_dir.glob("*.safetensors")):
-                h.update(f.read_bytes())
-            self._identity = {"name": self.name, "weights_sha256": h.hexdigest()[:16],
-                              "dense_weight": self.dense_weight}
+            self._identity = identity_of(self.model_dir)
         return self._identity
 
     @classmethod
@@ -162,6 +156,21 @@ class CrossEncoderReranker:
               batch_size: int | None = None) -> np.ndarray:
         """Fused rerank scores (logits) of passages for one question: float32 (n,)."""
         return fused_scores(self, question, passages, dense_scores, batch_size=batch_size)
+
+
+def identity_of(model_dir: str | os.PathLike) -> dict:
+    """A reranker folder's identity (CrossEncoderReranker.identity) read from its card and weights, without loading
+    the model."""
+    import hashlib
+
+    model_dir = Path(model_dir)
+    card_path = model_dir / "card.json"
+    card = json.loads(card_path.read_text()) if card_path.exists() else {}
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return {"name": card.get("name", str(model_dir)), "weights_sha256": h.hexdigest()[:16],
+            "dense_weight": float(card.get("dense_weight", 0.0))}
 
 
 def fused_scores(reranker, question: str, passages: list[str], dense_scores: np.ndarray, *,

@@ -328,12 +328,8 @@ def _index_names(root: Path, manifest: dict) -> list[str]:
     return names
 
 
-def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bool, mmap: bool,
-                  load_index: bool = True) -> StoreData:
-    """Reads version `name`, whose manifest must hash to manifest_sha (format 1 stores: None)."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
+def _manifest(root: Path, name: str, manifest_sha: str | None) -> dict:
+    """Version `name`'s manifest, checked against CURRENT's checksum and for a format this build reads."""
     version = root / name
     if not version.is_dir():
         raise _VersionGone(f"{name} is missing")
@@ -357,6 +353,30 @@ def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bo
                          f"{FORMAT_VERSION}: upgrade certrag")
     if fv >= 2 and manifest_sha is None:
         raise StoreError(f"{root}/CURRENT is damaged: it lacks the manifest's checksum")
+    return manifest
+
+
+def read_manifest(root: str | Path) -> dict:
+    """The current version's manifest (what it holds: counts, models, config, index layout), read and checked
+    against CURRENT without reading the data files: what `certrag info STORE` prints, in milliseconds."""
+    root = Path(root)
+    for _ in range(5):  # a writer may publish a new version (and remove this one) between the two reads
+        name, sha = _pointer(root)
+        try:
+            return _manifest(root, name, sha)
+        except _VersionGone:
+            continue
+    raise StoreError(f"{root}: the current version kept changing while it was read")
+
+
+def _read_version(root: Path, name: str, manifest_sha: str | None, *, verify: bool, mmap: bool,
+                  load_index: bool = True) -> StoreData:
+    """Reads version `name`, whose manifest must hash to manifest_sha (format 1 stores: None)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    version = root / name
+    manifest = _manifest(root, name, manifest_sha)
     files = manifest.get("files")
     if not isinstance(files, dict) or not isinstance(manifest.get("config"), dict) or \
             not isinstance(manifest.get("models"), dict):

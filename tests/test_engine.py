@@ -588,3 +588,23 @@ def test_a_new_store_certifies_out_of_the_box_with_the_shipped_nq_calibration(tm
         assert "not on this store" in a.certification.reason
         b = engine.answer(on_topic.question, retrieval=on_topic, llm=Scripted(["an answer"]))
         assert b.support["supported"] and b.to_dict()["support"]["calibration"].startswith("calibrated on NQ-open")
+
+
+def test_info_reads_the_manifest_alone_and_agrees_with_the_open_engine(store):
+    from certrag.engine import describe_store
+
+    engine, path = store
+    light, full = describe_store(path), engine.info()
+    for key in ("path", "format_version", "written", "documents", "chunks", "models", "config", "calibration"):
+        assert light[key] == full[key], key
+
+
+@pytest.mark.slow  # starts a subprocess
+def test_certrag_info_loads_no_model(store):
+    _, path = store
+    code = ("import sys\nfrom certrag.cli import main\n"
+            "try:\n    main(['info', sys.argv[1], '--json'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False False"
