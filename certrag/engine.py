@@ -451,6 +451,10 @@ class Engine:
     def documents(self) -> list[str]:
         return list(self._data.documents)
 
+    def metadata(self, doc_id: str) -> dict:
+        """A document's own metadata, as it was indexed (KeyError for an id the store does not hold)."""
+        return dict(self._view.documents[doc_id].get("metadata") or {})
+
     def chunk(self, chunk_id: int) -> dict:
         view = self._view
         return dict(view.chunks[view.position[int(chunk_id)]])

@@ -5,13 +5,20 @@
   gradient selection and certification over another retriever's nodes) (``pip install 'certrag[llama-index]'``)
 - Haystack: ``certrag.integrations.haystack.CertragRetriever``, a component (``pip install 'certrag[haystack]'``)
 
-Each returns certrag's evidence in the framework's metadata: chunk and document ids, dense and rerank scores, rank,
-whether the selector kept the chunk, and with certify=True whether the conformal calibration trusts it.
+Each behaves as its framework's own retrievers do: the document's id and the user's metadata come back as they were
+indexed; k / top_k / similarity_top_k and metadata filters are honoured; the score sits in the framework's score
+field where it has one. certrag's evidence -- chunk id, rank, dense and rerank scores, whether the selector kept the
+chunk, and with certify=True whether the conformal calibration trusts it -- travels under one metadata key,
+EVIDENCE_KEY ("certrag"), which the LlamaIndex nodes keep out of what reaches the LLM and the embedder.
 """
+
+from __future__ import annotations
+
+EVIDENCE_KEY = "certrag"
 
 
 def evidence(retrieval, certification=None) -> list[dict]:
-    """Per candidate of a certrag Retrieval, the metadata every adapter attaches."""
+    """Per candidate of a certrag Retrieval, the evidence every adapter attaches under EVIDENCE_KEY."""
     import math
 
     rows = []
@@ -35,3 +42,35 @@ def kept(retrieval, certification=None, include_unselected: bool = False) -> lis
     if certification is not None and certification.applied:
         return [i for i, t in enumerate(certification.trusted) if t]
     return list(range(retrieval.selected))
+
+
+def check_k(k, argument: str = "k") -> int | None:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"{argument} must be a positive integer; got {k!r}")
+    return k
+
+
+def retrieve(engine, query: str, *, candidates: int | None, k: int | None, where: dict | None,
+             certify: bool, include_unselected: bool) -> list[dict]:
+    """What every adapter returns, framework-free: per kept chunk its text, its document's id and own metadata, the
+    score (the fused rerank logit, or the cosine when no reranker ran) and certrag's evidence. k: exactly the k best
+    chunks (top-k selection over at least k candidates) instead of the configured selector's cut; where: a metadata
+    filter (Engine.retrieve's)."""
+    from certrag.select import TopKSelector
+
+    selector = TopKSelector(k=k) if k is not None else None
+    if k is not None:
+        candidates = max(candidates or engine.config.retrieval.candidates, k)
+    r = engine.retrieve(query, candidates=candidates, selector=selector, where=where)
+    cert = engine.certify(r) if certify else None
+    meta = evidence(r, cert)
+    rows = []
+    for i in kept(r, cert, include_unselected):
+        score = meta[i]["rerank_score"] if meta[i]["rerank_score"] is not None else meta[i]["dense_score"]
+        try:
+            own = engine.metadata(r.doc_ids[i])
+        except KeyError:  # removed by a writer since this retrieval's view
+            own = {}
+        rows.append({"text": r.texts[i], "doc_id": r.doc_ids[i], "chunk_id": meta[i]["chunk_id"],
+                     "metadata": own, "score": score, "evidence": {**meta[i], "score": score}})
+    return rows
