@@ -42,11 +42,14 @@ setup(
     ext_modules=[CMakeExtension("certrag._core")],
     cmdclass={"build_ext": CMakeBuild},
     package_dir={"certrag": "certrag", "certrag.kernels": "kernels"},
-    packages=[*find_packages(include=["certrag", "certrag.*"]), "certrag.kernels"],
-    package_data={"certrag.segment": ["data/*.safetensors", "data/*.json"],
-                  "certrag.certify": ["models/*.json"],
+    # the data folders are packages of their own (setuptools warns of any importable folder left out of packages);
+    # reranker-l3 is no identifier, so it stays data of certrag itself
+    packages=[*find_packages(include=["certrag", "certrag.*"]), "certrag.kernels", "certrag.serve.static",
+              "certrag.reranker", "certrag.certify.models", "certrag.segment.data"],
+    package_data={"certrag.segment.data": ["*.safetensors", "*.json"],
+                  "certrag.certify.models": ["*.json"],
                   "certrag.data": ["nq-open-oracle.jsonl.gz", "NQ-OPEN-NOTICE.md"],
-                  "certrag.serve": ["static/*.html"],
-                  "certrag": ["_core.pyi", "py.typed", "reranker/*.json", "reranker/*.safetensors",
-                              "reranker-l3/*.json", "reranker-l3/*.safetensors"]},
+                  "certrag.serve.static": ["*.html"],
+                  "certrag.reranker": ["*.json", "*.safetensors"],
+                  "certrag": ["_core.pyi", "py.typed", "reranker-l3/*.json", "reranker-l3/*.safetensors"]},
 )
