@@ -188,14 +188,21 @@ def closed_book_messages(question: str, qtype: str = "open", options: list[str] 
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
+FLAG_PROMPT = "Passages:"  # the feedback judge's flag line; its word: more (+1), fewer (-1), same (0)
+FLAG_WORDS = {"more": 1, "fewer": -1, "same": 0}
+
+
 def feedback_messages(question: str, passages: list[Passage], answer: str) -> list[dict]:
-    """SAGE's self-feedback (Wang et al., 2025, section 3.3): a score 1-10 and a context flag. The format is described
-    in words, not as a fill-in template: a small reader copies a template's placeholder text ("Score: <1-10, where
-    10 means ...>") and its budget runs out before the context line (bench_qa.py's first feedback run: no second
-    round in 200 questions)."""
+    """SAGE's self-feedback (Wang et al., 2025, section 3.3): a score 1-10 and the context flag, as a word the model
+    picks (more / fewer / same for +1 / -1 / 0). The format is described in words, not as a fill-in template: a
+    small reader copies a template's placeholder text ("Score: <1-10, where 10 means ...>", "Passages: W"); asked
+    for a "Context:" line with -1 / 0 / +1 it wrote prose after "Context:" every time (bench_qa: 251 of 251 flags
+    missing); asked for both lines, the 0.5B reader writes one of them. A flag it leaves out is read from its
+    next-token probabilities after "Passages:" (certrag.strategies.feedback.judge)."""
     user = (f"{format_passages(passages)}\n\n{REMINDER}\nQuestion: {question}\nProposed answer: {answer}\n\n"
-            "Judge the proposed answer against the passages. Give it a score from 1 (wrong or not supported by the "
-            "passages) to 10 (correct and fully supported). Then say whether the passages should change: -1 if "
-            "there were too many (noise distracts), +1 if there were too few to answer, 0 if they were right.\n"
-            "Write only two short lines, the first starting with Score: and the second with Context:")
+            "Judge the proposed answer against the passages, in two short lines.\n"
+            "First line: Score: and a number from 1 (wrong or not supported by the passages) to 10 (correct and "
+            "fully supported).\n"
+            f"Second line: {FLAG_PROMPT} more if the passages were too few to answer; {FLAG_PROMPT} fewer if there "
+            f"were too many and the extra ones distract; {FLAG_PROMPT} same if they were right.")
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]

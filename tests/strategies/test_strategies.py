@@ -1,6 +1,7 @@
 """Prompts, Chain-of-Note parsing, and the feedback loop's control flow (scripted backend, as the issue allows for
 control flow only), plus prompt-injection handling with the real small model."""
 
+import numpy as np
 import pytest
 
 from certrag.llm.local import Generation
@@ -169,44 +170,68 @@ def test_feedback_parsing():
     assert parse_feedback("7\n+1") == (7.0, None)
     assert parse_feedback("Score: 10, where 10 means correct and fully supported by") == (10.0, None)
     assert parse_feedback("The answer is from 1990.") == (None, None)  # a number inside prose is not a score
+    # the flag as the prompt asks for it: a word on the "Passages:" line
+    assert parse_feedback("Score: 4\nPassages: more") == (4.0, 1)
+    assert parse_feedback("Score: 8\nPassages: fewer") == (8.0, -1)
+    assert parse_feedback("10\nPassages: same") == (10.0, 0)
+    # the instruction echoed back is no judgment (the 0.5B reader does this)
+    assert parse_feedback("10\nPassages: more if the passages were too few to answer; Passages: fewer") == (10.0, None)
 
 
-def test_feedback_loop_widens_then_stops_at_threshold_and_counts_every_round():
+def test_feedback_loop_widens_then_stops_above_the_threshold_and_counts_every_round():
     asked = []
 
     def retrieve(k):
         asked.append(k)
         return PASSAGES[:1] * k
 
-    llm = Scripted(["Lyon", "Score: 4\nContext: +1", "Paris", "Score: 9\nContext: -1"])
+    llm = Scripted(["Lyon", "Score: 4\nPassages: more", "Paris", "Score: 9\nPassages: more", "Paris",
+                    "Score: 10\nPassages: fewer"])
     r = Feedback(base=Plain(), threshold=9).run("capital of France?", [], llm,
                                                selection=Selection(retrieve, min_k=1, max_k=10))
-    assert asked == [1, 2] and r.rounds == 2 and r.text == "Paris"
-    assert len(r.calls) == 4 and r.input_tokens == sum(100 + i for i in range(1, 5))
-    assert [h["score"] for h in r.history] == [4.0, 9.0]
+    # a score of 9 does not stop the loop (the paper: higher than 9); 10 does
+    assert asked == [1, 2, 3] and r.rounds == 3 and r.text == "Paris"
+    assert len(r.calls) == 6 and r.input_tokens == sum(100 + i for i in range(1, 7))
+    assert [h["score"] for h in r.history] == [4.0, 9.0, 10.0]
+    assert [h["flag_source"] for h in r.history] == ["generated"] * 3
 
 
-def test_feedback_loop_stops_after_three_rounds_and_respects_bounds():
+def test_feedback_loop_judges_all_three_rounds_and_respects_bounds():
     asked = []
 
     def retrieve(k):
         asked.append(k)
         return PASSAGES
 
-    replies = ["a", "Score: 2\nContext: -1"] * 2 + ["c"]
+    replies = ["a", "Score: 2\nPassages: fewer"] * 3
     r = Feedback(max_rounds=3).run("q", [], Scripted(replies), selection=Selection(retrieve, min_k=3, max_k=10))
-    # the last round's answer is not judged: its verdict could change nothing, and a judge call is billed
-    assert asked == [3, 2, 1] and r.rounds == 3 and len(r.calls) == 5 and r.text == "c"
-    assert [h["judged"] for h in r.history] == [True, True, False] and r.history[-1]["score"] is None
+    # three rounds, three judgments, every one billed
+    assert asked == [3, 2, 1] and r.rounds == 3 and len(r.calls) == 6 and r.text == "a"
+    assert [h["judged"] for h in r.history] == [True, True, True] and r.history[-1]["score"] == 2.0
     # At min_k 1 a -1 flag cannot shrink further: the loop ends instead of repeating itself.
     asked.clear()
-    r = Feedback(max_rounds=3).run("q", [], Scripted(["a", "Score: 2\nContext: -1"]),
+    r = Feedback(max_rounds=3).run("q", [], Scripted(["a", "Score: 2\nPassages: fewer"]),
                                    selection=Selection(retrieve, min_k=1, max_k=10))
     assert asked == [1] and r.rounds == 1
     # No usable score: the first answer stands.
     asked.clear()
     r = Feedback().run("q", [], Scripted(["a", "I cannot judge"]), selection=Selection(retrieve, min_k=2, max_k=10))
     assert r.rounds == 1 and r.text == "a"
+    # A model without token probabilities that leaves the flag out: the default flag, and the history says so
+    r = Feedback().run("q", [], Scripted(["a", "Score: 3", "b", "Score: 10"]),
+                       selection=Selection(retrieve, min_k=2, max_k=10))
+    assert r.history[0]["flag_source"] == "default" and r.history[0]["flag"] == 1 and r.text == "b"
+
+
+def test_a_flag_the_local_model_leaves_out_is_read_from_its_probabilities(smollm):
+    from certrag.llm.prompts import feedback_messages
+    from certrag.strategies.feedback import flag_from_probabilities
+
+    messages = feedback_messages("capital of France?", PASSAGES, "Paris")
+    ids = smollm.prompt_ids(messages) + smollm.tokenizer("Score: 9\nPassages:", add_special_tokens=False)["input_ids"]
+    firsts = [smollm.tokenizer(f" {w}", add_special_tokens=False)["input_ids"][0] for w in ("more", "fewer", "same")]
+    probs = smollm.next_token_probs([ids], firsts)[0]  # the oracle: the model's own distribution, read directly
+    assert flag_from_probabilities(smollm, messages, "Score: 9") == (1, -1, 0)[int(np.argmax(probs))]
 
 
 def test_real_model_answers_from_passages_despite_a_planted_injection(smollm):
