@@ -59,9 +59,9 @@ def _onnx_session(kind: str, precision: str, threads: int):
     f32 = out / f"{kind}-float32.onnx"
     if not f32.exists():
         if kind == "reranker":
-            model, output = CrossEncoderReranker(backend="float32")._model, "logits"
+            model, output = CrossEncoderReranker(backend="float32").model, "logits"
         else:
-            model, output = Embedder(backend="float32", memo_size=0)._model, "last_hidden_state"
+            model, output = Embedder(backend="float32", memo_size=0).model, "last_hidden_state"
 
         class Wrapped(torch.nn.Module):  # positional inputs and one tensor out, as the exporter wants
             def __init__(self):
@@ -118,7 +118,7 @@ def make_reranker(backend: str, threads: int):
 
     if backend == "int8-dynamic":
         r = CrossEncoderReranker(backend="float32")
-        r._model = _torch_dynamic_int8(r._model)
+        r.model = _torch_dynamic_int8(r.model)
         return r
     if not backend.startswith("onnx-"):
         return CrossEncoderReranker(backend=backend)
@@ -149,7 +149,7 @@ def make_embedder(backend: str, threads: int):
 
     if backend == "int8-dynamic":
         e = Embedder(backend="float32", memo_size=0)
-        e._model = _torch_dynamic_int8(e._model)
+        e.model = _torch_dynamic_int8(e.model)
         return e
     if not backend.startswith("onnx-"):
         return Embedder(backend=backend, memo_size=0)

@@ -8,6 +8,7 @@ Embeddings are mean-pooled over non-padding tokens and L2-normalised, as the mod
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import threading
@@ -133,7 +134,7 @@ class Embedder:
                  batch_size: int = 64, max_length: int = 256, num_threads: int | None = None,
                  cache: EmbeddingCache | None = None, backend: str = "auto", memo_size: int = 16384,
                  pad_grid: int = 8) -> None:
-        from certrag.backends import MAX_PASSES, check_backend, import_torch, prepare, resolve
+        from certrag.backends import MAX_PASSES, check_backend, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size!r}")
@@ -144,14 +145,11 @@ class Embedder:
         if isinstance(pad_grid, bool) or not isinstance(pad_grid, int) or pad_grid < 0:
             raise ValueError(f"pad_grid must be a non-negative integer; got {pad_grid!r}")
         check_backend(backend)
-        torch = import_torch()
         from tokenizers import Tokenizer
-        from transformers import AutoModel
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
 
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        if not (self.model_dir / "config.json").exists():
+            raise FileNotFoundError(f"no embedder at {self.model_dir} (config.json missing)")
         self.name = name
         self.batch_size = batch_size
         self.max_length = max_length
@@ -167,10 +165,9 @@ class Embedder:
         self.pad_grid = pad_grid
         self._memo: OrderedDict[str, np.ndarray] = OrderedDict()
         self._memo_lock = threading.Lock()
-        self._torch = torch
         self._lock = threading.Lock()
-        model = AutoModel.from_pretrained(str(self.model_dir), local_files_only=True, dtype=torch.float32)
-        self._model = prepare(model, self.backend.backend, per_text=pad_grid > 0)
+        self._loaded = None  # (torch, the prepared model): loaded by the first call that needs it
+        self._load_lock = threading.Lock()
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length)
         self._tokenizer.no_padding()  # batches are padded by backends.padded, to a grid, after sorting by length
@@ -179,7 +176,35 @@ class Embedder:
         self.counter.no_padding()
         pad_id = self._tokenizer.token_to_id("[PAD]")
         self._pad_id = 0 if pad_id is None else pad_id
-        self.dim = int(model.config.hidden_size)
+        self.dim = int(json.loads((self.model_dir / "config.json").read_text())["hidden_size"])
+
+    @property
+    def model(self):
+        """The prepared torch model (loaded on first use)."""
+        return self._load()[1]
+
+    @model.setter
+    def model(self, value) -> None:  # another variant of the same weights (bench_encoders: torch's dynamic int8)
+        self._loaded = (self._load()[0], value)
+
+    def _load(self):
+        """(torch, the prepared model), loaded once, on first use: opening a store (its name and dimension are
+        enough there) loads no torch."""
+        if self._loaded is None:
+            with self._load_lock:
+                if self._loaded is None:
+                    from transformers import AutoModel
+
+                    from certrag.backends import import_torch, prepare
+
+                    torch = import_torch()
+                    from transformers.utils import logging as hf_logging
+
+                    hf_logging.disable_progress_bar()
+                    model = AutoModel.from_pretrained(str(self.model_dir), local_files_only=True,
+                                                      dtype=torch.float32)
+                    self._loaded = (torch, prepare(model, self.backend.backend, per_text=self.pad_grid > 0))
+        return self._loaded
 
     @classmethod
     def default(cls, backend: str = "auto") -> "Embedder":
@@ -248,12 +273,12 @@ class Embedder:
         from certrag.backends import padded, passes
 
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        torch = self._torch
+        torch, model = self._load()
         enc = self._tokenizer.encode_batch(texts)
         def run(rows):
             feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, self._pad_id, self.pad_grid).items()}
             feed["token_type_ids"].zero_()
-            hidden = self._model(**feed).last_hidden_state.float()
+            hidden = model(**feed).last_hidden_state.float()
             for r, i in enumerate(rows):  # each text's mean over its own tokens: no reduction spans the batch
                 pooled = hidden[r, :len(enc[i].ids)].mean(0)
                 out[i] = (pooled / pooled.norm().clamp(min=1e-12)).numpy()

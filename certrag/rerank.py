@@ -46,7 +46,7 @@ class CrossEncoderReranker:
     def __init__(self, model_dir: str | os.PathLike = PACKAGE_RERANKER, *, max_length: int = 256,
                  batch_size: int = 32, backend: str = "auto", pad_grid: int = 16, max_batch_tokens: int = 4096,
                  num_threads: int | None = None) -> None:
-        from certrag.backends import MAX_PASSES, TorchThread, check_backend, import_torch, prepare, resolve
+        from certrag.backends import MAX_PASSES, TorchThread, check_backend, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
@@ -61,12 +61,8 @@ class CrossEncoderReranker:
         self._thread = TorchThread(self.num_threads, "certrag-rerank") if self.num_threads else None
         self.max_passes = MAX_PASSES  # 1: a call's batches one after another on all threads (backends.passes)
 
-        torch = import_torch()
         from tokenizers import Tokenizer
-        from transformers import AutoConfig, AutoModelForSequenceClassification
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").exists():
             raise FileNotFoundError(f"no reranker at {self.model_dir}; train one with `certrag train-reranker`")
@@ -74,21 +70,45 @@ class CrossEncoderReranker:
         self.card = json.loads(card_path.read_text()) if card_path.exists() else {}
         self.dense_weight = float(self.card.get("dense_weight", 0.0))
         self.name = self.card.get("name", str(self.model_dir))
-        config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
         self.skip_rule = self.card.get("skip_rule")
         self.backend = resolve(backend)
-        self._model = prepare(AutoModelForSequenceClassification.from_pretrained(
-            str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32), self.backend.backend,
-            per_text=pad_grid > 0)
+        self._loaded = None  # (torch, the prepared model): loaded by the first call that needs it
+        self._load_lock = threading.Lock()
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         # longest_first trims the passage as only_second would whenever the question is the shorter of the two, and
         # trims a question longer than its passage instead of failing ("Second sequence not long enough")
         self._tokenizer.enable_truncation(max_length, strategy="longest_first")
         self._tokenizer.no_padding()  # batches are padded by backends.padded, to a grid, after sorting by length
-        self._torch = torch
         self.batch_size = batch_size
         self._lock = threading.Lock()
         self._identity = None
+
+    @property
+    def model(self):
+        """The prepared torch model (loaded on first use)."""
+        return self._load()[1]
+
+    @model.setter
+    def model(self, value) -> None:  # another variant of the same weights (bench_encoders: torch's dynamic int8)
+        self._loaded = (self._load()[0], value)
+
+    def _load(self):
+        """(torch, the prepared model), loaded once, on first use: opening a store loads no torch."""
+        if self._loaded is None:
+            with self._load_lock:
+                if self._loaded is None:
+                    from transformers import AutoConfig, AutoModelForSequenceClassification
+                    from transformers.utils import logging as hf_logging
+
+                    from certrag.backends import import_torch, prepare
+
+                    torch = import_torch()
+                    hf_logging.disable_progress_bar()
+                    config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
+                    model = AutoModelForSequenceClassification.from_pretrained(
+                        str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32)
+                    self._loaded = (torch, prepare(model, self.backend.backend, per_text=self.pad_grid > 0))
+        return self._loaded
 
     def replica(self, num_threads: int | None = None) -> "CrossEncoderReranker":
         """Another instance over the same weights (shared, read-only) with its own tokenizer, its own lock and
@@ -98,7 +118,9 @@ class CrossEncoderReranker:
 
         from certrag.backends import TorchThread
 
+        self._load()  # the replicas share these weights: loaded now, once
         twin = copy.copy(self)
+        twin._load_lock = threading.Lock()
         twin._tokenizer = Tokenizer.from_str(self._tokenizer.to_str())
         twin._lock = threading.Lock()
         twin.num_threads = _threads(num_threads)
@@ -134,12 +156,12 @@ class CrossEncoderReranker:
             return out
         from certrag.backends import padded, passes
 
-        torch = self._torch
+        torch, model = self._load()
         enc = self._tokenizer.encode_batch(list(zip(questions, passages)))
 
         def run(rows):
             feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, 0, self.pad_grid).items()}
-            out[rows] = self._model(**feed).logits[:, 0].float().numpy()
+            out[rows] = model(**feed).logits[:, 0].float().numpy()
 
         def call():
             passes(torch, [len(e.ids) for e in enc], batch, self.pad_grid, run, max_tokens=self.max_batch_tokens,

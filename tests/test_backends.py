@@ -264,11 +264,11 @@ def test_no_product_spans_two_texts_and_every_pass_runs_on_one_thread(texts):
 
             torch.set_num_threads(2)
             seen = []
-            hook = e._model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+            hook = e.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
             e.embed(texts[:1])
             e.embed(texts[:20])
             hook.remove()
-            hook = r._model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+            hook = r.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
             r.cross_scores(["who"], texts[:1])
             hook.remove()
             assert seen and set(seen) == {1}

@@ -608,3 +608,16 @@ def test_certrag_info_loads_no_model(store):
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False False"
+
+
+@pytest.mark.slow  # starts a subprocess
+def test_opening_a_store_loads_no_model_until_a_question_needs_one(store):
+    """Engine.open took 7.3 s on the NQ store, nearly all of it loading torch and the two encoders; the encoders
+    now load on first use (their name and dimension, all that opening checks, come from their config files)."""
+    _, path = store
+    code = ("import sys\nfrom certrag.engine import Engine\n"
+            "e = Engine.open(sys.argv[1], read_only=True)\nprint('torch' in sys.modules)\n"
+            "r = e.retrieve('What is the capital of France?')\nprint('torch' in sys.modules, len(r.chunk_ids) > 0)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]

@@ -49,6 +49,10 @@ def create_app(llm, engine=None, config: ServeConfig | None = None, *, max_body_
     if engine is not None:
         stages = engine.stages.replace(llm=llm) if llm is not None else engine.stages
         if batch_encoders:
+            # the encoders load on first use: here, so that /ready means ready and no request pays for it
+            stages.embedder.embed(["certrag"])
+            if stages.reranker is not None:
+                stages.reranker.cross_scores(["certrag"], ["certrag"])
             stages = batched(stages, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
                              on_batch=metrics.on_batch, rerank_instances=config.rerank_instances)
         engine = engine.with_stages(stages)
