@@ -328,6 +328,33 @@ class _PassPool:
             return self._idle.wait_for(lambda: self._busy == 0, timeout)
 
 
+class LazyModel:
+    """An encoder's prepared torch model, built on first use (once, under a lock): opening a store needs only an
+    encoder's name and dimension, so it loads no torch. build(torch) returns the float32 model; it is prepared for
+    `backend` (prepare). Replicas of an encoder share one LazyModel, so its weights load once."""
+
+    def __init__(self, build, backend: str, *, per_text: bool) -> None:
+        self._build, self._backend, self._per_text = build, backend, per_text
+        self._loaded = None  # (torch, model)
+        self._lock = threading.Lock()
+
+    def get(self):
+        """(torch, the prepared model)."""
+        if self._loaded is None:
+            with self._lock:
+                if self._loaded is None:
+                    torch = import_torch()
+                    from transformers.utils import logging as hf_logging
+
+                    hf_logging.disable_progress_bar()
+                    self._loaded = (torch, prepare(self._build(torch), self._backend, per_text=self._per_text))
+        return self._loaded
+
+    def set(self, model) -> None:
+        """Another variant of the same weights in its place (bench_encoders: torch's dynamic int8)."""
+        self._loaded = (self.get()[0], model)
+
+
 class TorchThread:
     """One dedicated thread whose torch runs on num_threads intra-op threads, set once when it starts (the way
     _PassPool's workers set theirs): a model given its own thread count (a server's reranker instances) runs its

@@ -134,7 +134,7 @@ class Embedder:
                  batch_size: int = 64, max_length: int = 256, num_threads: int | None = None,
                  cache: EmbeddingCache | None = None, backend: str = "auto", memo_size: int = 16384,
                  pad_grid: int = 8) -> None:
-        from certrag.backends import MAX_PASSES, check_backend, resolve
+        from certrag.backends import MAX_PASSES, LazyModel, check_backend, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be at least 1; got {batch_size!r}")
@@ -166,8 +166,8 @@ class Embedder:
         self._memo: OrderedDict[str, np.ndarray] = OrderedDict()
         self._memo_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._loaded = None  # (torch, the prepared model): loaded by the first call that needs it
-        self._load_lock = threading.Lock()
+        self._lazy = LazyModel(lambda torch: _automodel(self.model_dir, torch), self.backend.backend,
+                               per_text=pad_grid > 0)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         self._tokenizer.enable_truncation(max_length)
         self._tokenizer.no_padding()  # batches are padded by backends.padded, to a grid, after sorting by length
@@ -181,30 +181,11 @@ class Embedder:
     @property
     def model(self):
         """The prepared torch model (loaded on first use)."""
-        return self._load()[1]
+        return self._lazy.get()[1]
 
     @model.setter
     def model(self, value) -> None:  # another variant of the same weights (bench_encoders: torch's dynamic int8)
-        self._loaded = (self._load()[0], value)
-
-    def _load(self):
-        """(torch, the prepared model), loaded once, on first use: opening a store (its name and dimension are
-        enough there) loads no torch."""
-        if self._loaded is None:
-            with self._load_lock:
-                if self._loaded is None:
-                    from transformers import AutoModel
-
-                    from certrag.backends import import_torch, prepare
-
-                    torch = import_torch()
-                    from transformers.utils import logging as hf_logging
-
-                    hf_logging.disable_progress_bar()
-                    model = AutoModel.from_pretrained(str(self.model_dir), local_files_only=True,
-                                                      dtype=torch.float32)
-                    self._loaded = (torch, prepare(model, self.backend.backend, per_text=self.pad_grid > 0))
-        return self._loaded
+        self._lazy.set(value)
 
     @classmethod
     def default(cls, backend: str = "auto") -> "Embedder":
@@ -273,7 +254,7 @@ class Embedder:
         from certrag.backends import padded, passes
 
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        torch, model = self._load()
+        torch, model = self._lazy.get()
         enc = self._tokenizer.encode_batch(texts)
         def run(rows):
             feed = {k: torch.from_numpy(v) for k, v in padded(enc, rows, self._pad_id, self.pad_grid).items()}
@@ -292,6 +273,12 @@ class Embedder:
             else:
                 call()
         return out
+
+
+def _automodel(model_dir: Path, torch):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
 
 
 @lru_cache(maxsize=4)

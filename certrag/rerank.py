@@ -46,7 +46,7 @@ class CrossEncoderReranker:
     def __init__(self, model_dir: str | os.PathLike = PACKAGE_RERANKER, *, max_length: int = 256,
                  batch_size: int = 32, backend: str = "auto", pad_grid: int = 16, max_batch_tokens: int = 4096,
                  num_threads: int | None = None) -> None:
-        from certrag.backends import MAX_PASSES, TorchThread, check_backend, resolve
+        from certrag.backends import MAX_PASSES, LazyModel, TorchThread, check_backend, resolve
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
@@ -72,8 +72,8 @@ class CrossEncoderReranker:
         self.name = self.card.get("name", str(self.model_dir))
         self.skip_rule = self.card.get("skip_rule")
         self.backend = resolve(backend)
-        self._loaded = None  # (torch, the prepared model): loaded by the first call that needs it
-        self._load_lock = threading.Lock()
+        self._lazy = LazyModel(lambda torch: _classifier(self.model_dir, torch), self.backend.backend,
+                               per_text=pad_grid > 0)
         self._tokenizer = Tokenizer.from_file(str(self.model_dir / "tokenizer.json"))
         # longest_first trims the passage as only_second would whenever the question is the shorter of the two, and
         # trims a question longer than its passage instead of failing ("Second sequence not long enough")
@@ -86,29 +86,11 @@ class CrossEncoderReranker:
     @property
     def model(self):
         """The prepared torch model (loaded on first use)."""
-        return self._load()[1]
+        return self._lazy.get()[1]
 
     @model.setter
     def model(self, value) -> None:  # another variant of the same weights (bench_encoders: torch's dynamic int8)
-        self._loaded = (self._load()[0], value)
-
-    def _load(self):
-        """(torch, the prepared model), loaded once, on first use: opening a store loads no torch."""
-        if self._loaded is None:
-            with self._load_lock:
-                if self._loaded is None:
-                    from transformers import AutoConfig, AutoModelForSequenceClassification
-                    from transformers.utils import logging as hf_logging
-
-                    from certrag.backends import import_torch, prepare
-
-                    torch = import_torch()
-                    hf_logging.disable_progress_bar()
-                    config = AutoConfig.from_pretrained(str(self.model_dir), local_files_only=True)
-                    model = AutoModelForSequenceClassification.from_pretrained(
-                        str(self.model_dir), config=config, local_files_only=True, dtype=torch.float32)
-                    self._loaded = (torch, prepare(model, self.backend.backend, per_text=self.pad_grid > 0))
-        return self._loaded
+        self._lazy.set(value)
 
     def replica(self, num_threads: int | None = None) -> "CrossEncoderReranker":
         """Another instance over the same weights (shared, read-only) with its own tokenizer, its own lock and
@@ -118,9 +100,7 @@ class CrossEncoderReranker:
 
         from certrag.backends import TorchThread
 
-        self._load()  # the replicas share these weights: loaded now, once
-        twin = copy.copy(self)
-        twin._load_lock = threading.Lock()
+        twin = copy.copy(self)  # shares the LazyModel: the weights load once for all replicas
         twin._tokenizer = Tokenizer.from_str(self._tokenizer.to_str())
         twin._lock = threading.Lock()
         twin.num_threads = _threads(num_threads)
@@ -156,7 +136,7 @@ class CrossEncoderReranker:
             return out
         from certrag.backends import padded, passes
 
-        torch, model = self._load()
+        torch, model = self._lazy.get()
         enc = self._tokenizer.encode_batch(list(zip(questions, passages)))
 
         def run(rows):
@@ -178,6 +158,14 @@ class CrossEncoderReranker:
               batch_size: int | None = None) -> np.ndarray:
         """Fused rerank scores (logits) of passages for one question: float32 (n,)."""
         return fused_scores(self, question, passages, dense_scores, batch_size=batch_size)
+
+
+def _classifier(model_dir: Path, torch):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    return AutoModelForSequenceClassification.from_pretrained(str(model_dir), config=config, local_files_only=True,
+                                                              dtype=torch.float32)
 
 
 def identity_of(model_dir: str | os.PathLike) -> dict:
