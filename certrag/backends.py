@@ -43,6 +43,13 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "float32", "bfloat16", "int8")
 
 
+def quiet_transformers() -> None:
+    """transformers without its loading progress bars (encoders that certrag.bert does not build load through it)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def import_torch():
     """torch, imported with OpenMP's passive wait policy: spin-waiting OpenMP threads make 2-core machines slower,
     not faster, and the policy is read when the OpenMP runtime starts, so it must be set before torch is first
@@ -344,9 +351,6 @@ class LazyModel:
             with self._lock:
                 if self._loaded is None:
                     torch = import_torch()
-                    from transformers.utils import logging as hf_logging
-
-                    hf_logging.disable_progress_bar()
                     self._loaded = (torch, prepare(self._build(torch), self._backend, per_text=self._per_text))
         return self._loaded
 

@@ -276,8 +276,15 @@ class Embedder:
 
 
 def _automodel(model_dir: Path, torch):
-    from transformers import AutoModel
+    from certrag import bert
 
+    model = bert.load(model_dir, torch, classifier=False)
+    if model is not None:
+        return model
+    from transformers import AutoModel
+    from certrag.backends import quiet_transformers
+
+    quiet_transformers()
     return AutoModel.from_pretrained(str(model_dir), local_files_only=True, dtype=torch.float32)
 
 

@@ -161,8 +161,15 @@ class CrossEncoderReranker:
 
 
 def _classifier(model_dir: Path, torch):
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from certrag import bert
 
+    model = bert.load(model_dir, torch, classifier=True)
+    if model is not None:
+        return model
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from certrag.backends import quiet_transformers
+
+    quiet_transformers()
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     return AutoModelForSequenceClassification.from_pretrained(str(model_dir), config=config, local_files_only=True,
                                                               dtype=torch.float32)
