@@ -362,9 +362,10 @@ def remove(store: Path, doc_ids: tuple[str, ...], as_json: bool) -> None:
               help="Record lookback ratios while answering and report the factuality classifier's P(supported).")
 def ask(store: Path, question: str, strategy: str, model: str | None, as_json: bool, certify: bool,
         force_certify: bool, confidence: bool) -> None:
-    """Answer QUESTION from STORE with a local LLM."""
+    """Answer QUESTION from STORE with a local LLM (each call loads the models; `certrag serve` keeps them loaded)."""
     from certrag.llm import LocalLLM
 
+    started = time.perf_counter()
     with _open_engine(store, read_only=True) as engine:
         if model:
             try:
@@ -391,6 +392,10 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
     if c is not None:
         click.echo(f"(certified at alpha {c.alpha}: {c.trusted_count} of {len(c.trusted)} candidates trusted; "
                    + ("context filtered to them)" if c.applied else f"NOT filtered: {c.reason})"))
+    overhead = time.perf_counter() - started - (a.trace["retrieve_ms"] + a.trace["generate_ms"]) / 1e3
+    click.echo(f"hint: {overhead:.1f} s of this call went to starting up and loading models; for repeated "
+               f"questions, `certrag serve {store}` keeps them loaded (ask at /v1/answer or with any OpenAI client "
+               f"at /v1/chat/completions).", err=True)
 
 
 @main.command()

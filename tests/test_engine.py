@@ -301,6 +301,22 @@ def test_cli_a_model_that_is_not_installed_is_one_line_naming_its_install_comman
     assert " installed" in rows["smollm2-135m-instruct"] and "not installed" not in rows["smollm2-135m-instruct"]
 
 
+def test_cli_ask_suggests_serve_for_repeated_questions_on_stderr_only(store):
+    """Each `certrag ask` loads the models again; it says so, with the command that keeps them loaded, on stderr (the
+    answer on stdout and --json stay clean for scripts)."""
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+
+    args = ["ask", str(store[1]), "What is it?", "--model", "smollm2-135m-instruct"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert f"certrag serve {store[1]}" in res.stderr and "loading models" in res.stderr
+    assert "certrag serve" not in res.stdout and res.stdout.strip()
+    res = CliRunner().invoke(main, [*args, "--json"])
+    assert res.exit_code == 0 and "answer" in json.loads(res.stdout) and "certrag serve" not in res.stderr
+
+
 def test_models_install_prepares_an_installed_model_and_refuses_an_unknown_name(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
