@@ -47,7 +47,8 @@ def load(model_dir: str | Path, torch, *, classifier: bool):
     if not state:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     num_labels = len(config.get("id2label") or {0: 0}) if classifier else 0
-    model = _classes(torch)[1 if classifier else 0](config, num_labels)
+    model = _classes(torch)[1 if classifier else 0](config, num_labels)  # (not on torch's meta device: it imports
+    # torch._refs and friends, 3 s, to skip a random initialisation that takes 0.1 s)
     if not classifier and not any(k.startswith("embeddings.") for k in state):  # a classifier's folder as encoder
         state = {k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")}
     if not any(k.endswith("pooler.dense.weight") for k in state):
@@ -55,7 +56,7 @@ def load(model_dir: str | Path, torch, *, classifier: bool):
             raise ValueError(f"{model_dir}: a sequence classifier needs its pooler weights")
         model.pooler = None
     state = {k: v.float() for k, v in state.items() if not k.endswith("position_ids")}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights do not match a BERT encoder (missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
