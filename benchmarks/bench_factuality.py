@@ -27,8 +27,10 @@ and cached (train sets under CERTRAG_HOME, test sets in benchmarks/data), so a r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,12 +46,28 @@ def _points(label, score) -> dict:
     return {"label": label[keep].astype(int).tolist(), "score": [round(float(v), 6) for v in score[keep]]}
 
 
+def wiki_items(n: int, seed: int = 20261203) -> list:
+    """n questions of a second corpus: a Wikipedia vital article asked for by its description ("Which subject is
+    described as 'Capital of France'? ..."), its title the one reference answer; the articles whose description
+    names the title are left out. A seeded sample, the same on every run. The engine's store (bench_retrieval's)
+    holds every lead, so retrieval can find the article; the classifiers were trained on NQ questions alone."""
+    import random
+
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import QAItem
+
+    leads = [(t, x, d) for t, x, d in wiki_leads() if d and len(d) > 12 and t.lower() not in d.lower()]
+    chosen = random.Random(seed).sample(leads, min(n, len(leads)))
+    return [QAItem(question=f"Which subject is described as '{d}'? Give its name.", answers=(t,), title=t,
+                   passage=x) for t, x, d in chosen]
+
+
 def _shares(parts: list[tuple], workers: int) -> list[list[tuple]]:
     """The sets (split, n, kind, where) each worker collects: the costliest first, each to the least loaded worker.
     An engine answer costs about twice a protocol one (its passages are the retrieved ones, longer: measured 10
     against 3-5 s per answer on one core), so round-robin gave one worker every engine set."""
     def cost(part):
-        return part[1] * (2 if part[2] == "engine" else 1)
+        return part[1] * (1 if part[2] == "protocol" else 2)
 
     load, out = [0] * workers, [[] for _ in range(workers)]
     for part in sorted(parts, key=cost, reverse=True):
@@ -64,8 +82,16 @@ def main() -> None:
     p.add_argument("--train-questions", type=int, default=400)
     p.add_argument("--test-questions", type=int, default=200)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--weights", default="q8", choices=("q8", "float32"),
+                   help="the reader's weight format (q8: the engine's default; the cached answers are kept apart)")
     p.add_argument("--workers", type=int, default=2,
                    help="processes collecting the four sets of answers (one torch thread and one core each)")
+    p.add_argument("--wiki-questions", type=int, default=200,
+                   help="held-out questions of a second corpus the classifiers never saw: Wikipedia leads asked for "
+                        "by their description (0: none)")
+    p.add_argument("--ship", action="store_true",
+                   help="write the classifier chosen on train (certrag.train.factuality.choose) into the package, "
+                        "its card holding the held-out AUROCs beside the log-probability's")
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -79,8 +105,8 @@ def main() -> None:
 
     from certrag.data.nq import load_nq_open
     from certrag.home import certrag_home
-    from certrag.train.factuality import (auroc, collect, collect_engine, combined_features, fit, fit_stacked,
-                                          load_examples, save_examples)
+    from certrag.train.factuality import (LABEL_RULE, auroc, choose, collect, collect_engine, combined_features,
+                                          fit, fit_stacked, load_examples, save_examples)
 
     state = {}
 
@@ -88,15 +114,15 @@ def main() -> None:
         if "llm" not in state:
             from certrag.llm import LocalLLM
 
-            state["llm"] = LocalLLM(args.model)
+            state["llm"] = LocalLLM(args.model, weights=args.weights)
         return state["llm"]
 
     def examples(split: str, n: int, kind: str, where: Path) -> dict:
-        items = load_nq_open(split=split)[:n]
-        meta = {"model": args.model, "split": split, "questions": len(items), "k": 3, "top_rerank": "fused",
+        items = wiki_items(n) if kind == "wiki" else load_nq_open(split=split)[:n]
+        meta = {"model": args.model, "weights": args.weights, "split": split, "questions": len(items), "k": 3, "top_rerank": "fused",
                 "kind": kind, "question_hash": hashlib.sha256("\n".join(it.question for it in items).encode()
                                                               ).hexdigest()[:16]}
-        path = where / f"factuality-{kind}-{split}-{args.model}-{n}.safetensors"
+        path = where / f"factuality-{kind}-{split}-{args.model}-{args.weights}-{n}.safetensors"
         if path.exists():
             data, got = load_examples(path)
             if got == meta:
@@ -116,13 +142,16 @@ def main() -> None:
     wanted = [(split, n, kind, certrag_home() if split == "train" else _common.DATA_DIR)
               for split, n in (("train", args.train_questions), ("test", args.test_questions))
               for kind in ("protocol", "engine")]
+    if args.wiki_questions:
+        wanted.append(("test", args.wiki_questions, "wiki", _common.DATA_DIR))
     if args.worker is not None:  # collect this worker's share of the sets (each cached as it is done) and stop
         for part in _shares(wanted, args.workers)[args.worker]:
             examples(*part)
         return
     if args.workers > 1:  # the sets are independent: collect them in parallel, then read them from the cache
         forwarded = ["--train-questions", str(args.train_questions), "--test-questions", str(args.test_questions),
-                     "--model", args.model, "--workers", str(args.workers)]
+                     "--model", args.model, "--weights", args.weights, "--workers", str(args.workers),
+                     "--wiki-questions", str(args.wiki_questions)]
         procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), *forwarded])
                  for i in range(min(args.workers, len(wanted)))]
         for proc in procs:
@@ -140,71 +169,126 @@ def main() -> None:
     names = {"chunks": "logistic regression, chunk-wise lookback ratios",
              "full": "logistic regression, full-context lookback ratios",
              "combined": "logistic regression, chunk-wise ratios + mean log-probability"}
+    tests = [k for k in ("protocol", "engine", "wiki") if ("test", k) in parts]
+
+    def held_out(row: dict, predict) -> dict:
+        """row with the AUROC (and ROC points) of predict(d) -> (labels, scores) on every held-out set."""
+        for test_kind in tests:
+            label, score = predict(parts[("test", test_kind)])
+            row[f"heldout_{test_kind}"] = auroc(label, score)
+            row[f"test_n_{test_kind}"] = int(np.isfinite(score).sum())
+            row[f"heldout_{test_kind}_points"] = _points(label, score)
+        return row
+
+    def finite(*arrays):
+        keep = np.ones(len(arrays[0]), dtype=bool)
+        for a in arrays:
+            keep &= np.isfinite(a).all(1) if a.ndim == 2 else np.isfinite(a)
+        return keep
+
     rows = []
     for kind, feat in feats.items():
         x = feat(train)
-        keep = np.isfinite(x).all(1)
-        clf, _ = fit(x[keep], train["label"][keep], model=args.model, kind=kind, layers=0, heads=0, card={})
-        row = {"what": "factuality_auroc", "score": names[kind], "features": x.shape[1],
-               "cv_auroc": clf.card["cv_auroc"], "C": clf.card["C"], "train_n": int(keep.sum())}
-        for test_kind in ("protocol", "engine"):
-            d = parts[("test", test_kind)]
-            xt = feat(d)
-            kt = np.isfinite(xt).all(1)
-            pred = clf.predict_vectors(xt[kt])
-            row[f"heldout_{test_kind}"] = auroc(d["label"][kt], pred)
-            row[f"test_n_{test_kind}"] = int(kt.sum())
-            row[f"heldout_{test_kind}_points"] = _points(d["label"][kt], pred)
-        rows.append(row)
+        keep = finite(x)
+        clf, _ = fit(x[keep], train["label"][keep], model=args.model, kind="chunks" if kind == "combined" else kind,
+                     layers=0, heads=0, card={})
+
+        def predict(d, feat=feat, clf=clf):
+            kt = finite(feat(d))
+            return d["label"][kt], clf.predict_vectors(feat(d)[kt])
+
+        rows.append(held_out({"what": "factuality_auroc", "score": names[kind], "features": x.shape[1],
+                              "cv_auroc": clf.card["cv_auroc"], "C": clf.card["C"], "train_n": int(keep.sum())},
+                             predict))
     for kind in ("chunks", "full"):  # the block's score and the log-probability joined by a second regression
         x, lp = train[kind], train["mean_logprob"]
-        keep = np.isfinite(x).all(1) & np.isfinite(lp)
+        keep = finite(x, lp)
         st = fit_stacked(x[keep], lp[keep], train["label"][keep], model=args.model, kind=kind, layers=0, heads=0,
                          card={})
-        row = {"what": "factuality_auroc", "score": f"stacked: {names[kind].split(', ')[1]} model, then its score + "
-               "mean log-probability", "features": x.shape[1] + 1, "cv_auroc": st.cv_auroc,
-               "C": st.block.card["C"], "train_n": int(keep.sum())}
-        for test_kind in ("protocol", "engine"):
-            d = parts[("test", test_kind)]
-            kt = np.isfinite(d[kind]).all(1) & np.isfinite(d["mean_logprob"])
-            pred = st.predict_vectors(d[kind][kt], d["mean_logprob"][kt])
-            row[f"heldout_{test_kind}"] = auroc(d["label"][kt], pred)
-            row[f"test_n_{test_kind}"] = int(kt.sum())
-            row[f"heldout_{test_kind}_points"] = _points(d["label"][kt], pred)
-        rows.append(row)
+
+        def predict(d, kind=kind, st=st):
+            kt = finite(d[kind], d["mean_logprob"])
+            return d["label"][kt], st.predict_vectors(d[kind][kt], d["mean_logprob"][kt])
+
+        rows.append(held_out({"what": "factuality_auroc", "score": f"stacked: {names[kind].split(', ')[1]} model, "
+                              "then its score + mean log-probability", "features": x.shape[1] + 1,
+                              "cv_auroc": st.card["cv_auroc"], "C": st.card["C"], "train_n": int(keep.sum())},
+                             predict))
+    layers, heads = llm().config.layers, llm().config.heads
+    card = {"data": f"{args.model} ({args.weights}) answers, greedy, at most 24 tokens, to the first "
+                    f"{args.train_questions} NQ-open train questions twice: from 3 passages (the gold one for half, "
+                    "MiniLM-nearest other gold passages as distractors) and from the engine's own retrieval and "
+                    "selection (bench_retrieval's store)", "weights": args.weights, "label": LABEL_RULE,
+            "positives": int(train["label"].sum()), "examples": int(len(train["label"])),
+            "remake": f"python benchmarks/bench_factuality.py --ship --model {args.model} --weights {args.weights} "
+                      f"--train-questions {args.train_questions}",
+            "made": time.strftime("%Y-%m-%d", time.gmtime())}
+    shipped, _ = choose(train, model=args.model, layers=layers, heads=heads, card=card)
+
+    def predict_shipped(d):
+        if shipped.kind == "logprob":
+            kt = finite(d["mean_logprob"])
+            return d["label"][kt], shipped.predict_vectors(d["mean_logprob"][kt][:, None])
+        kt = finite(d[shipped.kind], d["mean_logprob"])
+        return d["label"][kt], shipped.predict_vectors(d[shipped.kind][kt], d["mean_logprob"][kt])
+
+    shipped_row = held_out({"what": "factuality_auroc", "score": f"**shipped** (chosen on train): {shipped.card['chosen']}",
+                            "features": shipped.mean.size + (1 if shipped.stack is not None else 0),
+                            "cv_auroc": shipped.card["cv_auroc"], "C": shipped.card.get("C"),
+                            "train_n": int(len(train["label"]))}, predict_shipped)
+    rows.append(shipped_row)
     for key, name in (("mean_logprob", "mean token log-probability (baseline)"),
                       ("top_rerank", "best fused reranker score of the passages (baseline)")):
-        row = {"what": "factuality_auroc", "score": name, "features": 1, "cv_auroc": auroc(train["label"], train[key]),
-               "C": None, "train_n": int(np.isfinite(train[key]).sum())}
-        for test_kind in ("protocol", "engine"):
-            d = parts[("test", test_kind)]
-            row[f"heldout_{test_kind}"] = auroc(d["label"], d[key])
-            row[f"test_n_{test_kind}"] = int(np.isfinite(d[key]).sum())
-            row[f"heldout_{test_kind}_points"] = _points(d["label"], d[key])
-        rows.append(row)
+        rows.append(held_out({"what": "factuality_auroc", "score": name, "features": 1,
+                              "cv_auroc": auroc(train["label"], train[key]), "C": None,
+                              "train_n": int(np.isfinite(train[key]).sum())},
+                             lambda d, key=key: (d["label"], d[key])))
     for r in rows:
         print({k: v for k, v in r.items() if not k.endswith("_points")}, file=sys.stderr)
+    logprob = next(r for r in rows if r["score"].startswith("mean token log-probability"))
+    if args.ship:
+        from certrag.certify.factuality import PACKAGE_DIR
+
+        gains = {k: shipped_row[f"heldout_{k}"] - logprob[f"heldout_{k}"] for k in tests}
+        about = (f"{'stacked lookback ratios + mean log-probability' if shipped.stack is not None else 'calibrated mean log-probability'}; "
+                 f"held-out AUROC {shipped_row['heldout_engine']:.3f} against the log-probability's "
+                 f"{logprob['heldout_engine']:.3f} on the engine's NQ-open test answers")
+        shipped = dataclasses.replace(shipped, card={
+            **shipped.card, "summary": about, "heldout_auroc": round(shipped_row["heldout_engine"], 4),
+            "logprob_heldout_auroc": round(logprob["heldout_engine"], 4),
+            "heldout": {k: {"auroc": round(shipped_row[f"heldout_{k}"], 4),
+                            "logprob_auroc": round(logprob[f"heldout_{k}"], 4), "gain": round(gains[k], 4),
+                            "n": shipped_row[f"test_n_{k}"]} for k in tests},
+            "heldout_sets": {"protocol": f"first {args.test_questions} NQ-open test questions, 3-passage protocol",
+                             "engine": f"first {args.test_questions} NQ-open test questions, the engine's retrieval",
+                             "wiki": f"{args.wiki_questions} Wikipedia vital articles asked for by their description "
+                                     "(bench_factuality.wiki_items), the engine's retrieval"}})
+        shipped.save(PACKAGE_DIR / f"{args.model}.json")
+        print(f"shipped {PACKAGE_DIR / (args.model + '.json')}: {shipped.card['chosen']}", file=sys.stderr)
     bal = {f"{s} {k}": (float(d["label"].mean()), float(d["label"][d["with_gold"] == 1].mean()),
                         float(d["label"][d["with_gold"] == 0].mean())) for (s, k), d in parts.items()}
-    meta = _common.meta({"bench": "bench_factuality", "model": args.model, "train_questions": args.train_questions,
-                         "test_questions": args.test_questions})
+    meta = _common.meta({"bench": "bench_factuality", "model": args.model, "weights": args.weights,
+                         "train_questions": args.train_questions, "test_questions": args.test_questions,
+                         "wiki_questions": args.wiki_questions})
     best = max(rows, key=lambda r: r["heldout_engine"])
-    logprob = next(r for r in rows if r["features"] == 1 and "log-probability" in r["score"])
     text = "\n".join([
-        "### Factual confidence from lookback ratios (bench_factuality.py)\n",
-        f"**Verdict:** on the engine's own answers to held-out test questions the best score is {best['score']} "
-        f"(AUROC {best['heldout_engine']:.3f}; the log-probability baseline {logprob['heldout_engine']:.3f}). "
-        "Lookback Lens reports up to 0.82 (full context) and the certification paper 0.77 (chunk-wise) with 8B "
-        f"models; these are {args.model}'s.\n",
-        f"Answers of {args.model} (greedy, at most 24 tokens) to NQ-open questions; supported = gold answer "
-        "contained. Share supported (all / with the gold passage among the passages / without): " + "; ".join(
-            f"{name} {v[0]:.2f} / {v[1]:.2f} / {v[2]:.2f}" for name, v in bal.items()) + ". Classifiers are "
-        "trained on train protocol + train engine answers.\n",
-        _common.markdown_table(["score", "features", "AUROC, 5-fold CV on train", "AUROC, held-out protocol",
-                                "AUROC, held-out engine", "C", "train n", "test n (protocol / engine)"],
-                               [[r["score"], r["features"], r["cv_auroc"], r["heldout_protocol"],
-                                 r["heldout_engine"], r["C"], r["train_n"],
-                                 f"{r['test_n_protocol']} / {r['test_n_engine']}"] for r in rows]),
+        "### P(correct) from lookback ratios and token probabilities (bench_factuality.py)\n",
+        f"**Verdict:** on the engine's own answers to held-out NQ-open test questions the best score is {best['score']} "
+        f"(AUROC {best['heldout_engine']:.3f}; the log-probability baseline {logprob['heldout_engine']:.3f}); the "
+        f"classifier chosen on train to ship scores {shipped_row['heldout_engine']:.3f} there"
+        + (f" and {shipped_row['heldout_wiki']:.3f} against the log-probability's {logprob['heldout_wiki']:.3f} on "
+           "the second corpus (Wikipedia articles asked for by their description, never trained on)" if "wiki" in tests
+           else "") + ". Lookback Lens reports up to 0.82 (full context) and the certification paper 0.77 "
+        f"(chunk-wise) with 8B models; these are {args.model}'s ({args.weights} weights).\n",
+        f"Answers of {args.model} (greedy, at most 24 tokens); label = a reference answer contained in the answer "
+        "(the field is `p_correct`). Share correct (all / with the gold passage among the passages / without): "
+        + "; ".join(f"{name} {v[0]:.2f} / {v[1]:.2f} / {v[2]:.2f}" for name, v in bal.items()) + ". Classifiers "
+        "are trained on train protocol + train engine answers.\n",
+        _common.markdown_table(["score", "features", "AUROC, 5-fold CV on train"]
+                               + [f"AUROC, held-out {k}" for k in tests] + ["C", "train n", "test n"],
+                               [[r["score"], r["features"], r["cv_auroc"]] + [r[f"heldout_{k}"] for k in tests]
+                                + [r["C"], r["train_n"], " / ".join(str(r[f"test_n_{k}"]) for k in tests)]
+                                for r in rows]),
         "\n![ROC curves on held-out answers](results/factuality_roc.png)\n" if not args.no_write else "",
         _common.footer(meta)])
     print(text)

@@ -1,5 +1,5 @@
 """Answering, once retrieval has run: the options of one answer, the Answer it returns, and the orchestration that
-certifies the context, runs the strategy, reads the factual confidence and bills the tokens.
+certifies the context, runs the strategy, reads the answer's P(correct) and bills the tokens.
 
 Everything a request asks for travels in one frozen AnswerOptions and in the arguments of answer(): nothing is set
 on the LLM, the strategy or the engine, so concurrent answers share no mutable state.
@@ -29,8 +29,10 @@ class AnswerOptions:
     qtype: open | multiple_choice (with options) | yes_no. prices: a certrag.cost.PriceTable (default: the
     placeholder table). max_new_tokens: overrides the strategy's answer budget (Chain-of-Note: per note; Self-RAG:
     per segment). certify: send only the candidates trusted under the store's conformal calibration, when its
-    diagnostics say the guarantee holds; force_certify: even when they do not. confidence: record lookback ratios
-    while the local model writes the answer and report the factuality classifier's P(supported). grounding: check
+    diagnostics say the guarantee holds; force_certify: even when they do not. confidence: fill Answer.p_correct,
+    the probability that the answer contains a reference answer, from the classifier shipped for the local model
+    (certrag.certify.factuality: lookback ratios recorded while it writes, stacked with the answer's mean token
+    log-probability, or the calibrated log-probability alone -- the card says which and why). grounding: check
     that an open answer rests on sentences relevant to the question, answering again without the off-topic ones
     when it does not (certrag.grounding: the injection defence that reads no list of phrasings). history: the
     conversation before the question, (role, text) pairs, shown to the model with the question (retrieval reads
@@ -84,16 +86,21 @@ class Answer:
     trace: dict = field(default_factory=dict)
     retrieval: Retrieval | None = None
     certification: object = None  # certrag.certify.conformal.Certification when certify was asked for
-    confidence: float | None = None  # P(supported) from lookback ratios when confidence was asked for
-    lookback: object = None  # certrag.certify.lookback.LookbackFeatures of the answer's generation, with confidence
+    p_correct: float | None = None  # P(the answer contains a reference answer), when confidence was asked for
+    lookback: object = None  # certrag.certify.lookback.LookbackFeatures of the answer's generation, when recorded
     grounding: object = None  # certrag.grounding.Grounding of an open answer when it was checked
     finish_reason: str = "stop"  # of the call that wrote the answer: "length" when max tokens cut it
     support: dict | None = None  # Engine.support: did retrieval find anything the calibration trusts
 
+    @property
+    def confidence(self) -> float | None:
+        """The former name of p_correct (it was documented as P(supported); what it predicts is P(correct))."""
+        return self.p_correct
+
     def to_dict(self) -> dict:
         return {"question": self.question, "answer": self.text, "strategy": self.strategy,
                 "certification": self.certification.to_dict() if self.certification is not None else None,
-                "confidence": self.confidence,
+                "p_correct": self.p_correct,
                 "grounding": self.grounding.to_dict() if self.grounding is not None else None,
                 "cited_chunk_ids": list(self.cited_chunk_ids),
                 "notes": [{"passage": n.passage, "kind": n.kind, "claimed": n.claimed or n.kind, "text": n.text}
@@ -136,7 +143,7 @@ def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: Answer
            retrieve_ms: float = 0.0) -> Answer:
     """Answers from a retrieval: the selector's cut (or, when certification applies, the trusted candidates, at
     most selection.max_k; none trusted -> "unknown" without an LLM call), the strategy, the answer's lookback
-    confidence (classifier given), the grounding check (relevance given: certrag.grounding.grounded_run),
+    P(correct) (classifier given), the grounding check (relevance given: certrag.grounding.grounded_run),
     citations, cost and trace."""
     limit = len(r.chunk_ids)
     if certification is not None and certification.applied:
@@ -153,13 +160,15 @@ def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: Answer
                                      list(options.options) if options.options is not None else None,
                                      relevance=relevance if options.grounding else None,
                                      selection=_selection(r, selection, limit),
-                                     record_lookback=classifier is not None, checked_question=question)
+                                     record_lookback=classifier is not None and classifier.needs_lookback,
+                                     checked_question=question)
     t2 = time.perf_counter()
     conf = features = None
     if classifier is not None and result.answer_call is not None and result.calls:
-        features = result.calls[result.answer_call].lookback
-        if features is not None:
-            conf = classifier.predict(features)
+        call = result.calls[result.answer_call]
+        features = call.lookback
+        if features is not None or not classifier.needs_lookback:
+            conf = classifier.predict(features, getattr(call, "mean_logprob", float("nan")))
     used = result.passages_used
     cited = tuple(int(r.chunk_ids[i]) for i in range(used))
     if result.cited is not None:
@@ -177,5 +186,5 @@ def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: Answer
     return Answer(question=question, text=result.text, strategy=strategy.name, cited_chunk_ids=cited,
                   notes=result.notes, rejected=result.rejected, malformed=result.malformed, rounds=result.rounds,
                   input_tokens=result.input_tokens, output_tokens=result.output_tokens, cost=cost, model=model,
-                  trace=trace, retrieval=r, certification=certification, confidence=conf, lookback=features,
+                  trace=trace, retrieval=r, certification=certification, p_correct=conf, lookback=features,
                   grounding=grounding, finish_reason=finish)

@@ -359,7 +359,8 @@ def remove(store: Path, doc_ids: tuple[str, ...], as_json: bool) -> None:
                    "not applied when its diagnostics say the guarantee does not hold.")
 @click.option("--force-certify", is_flag=True, help="Filter to the trusted chunks even when the guarantee fails.")
 @click.option("--confidence", is_flag=True,
-              help="Record lookback ratios while answering and report the factuality classifier's P(supported).")
+              help="Report P(correct): the probability that the answer contains a reference answer, from the "
+                   "classifier shipped for the model (lookback ratios and token probabilities).")
 def ask(store: Path, question: str, strategy: str, model: str | None, as_json: bool, certify: bool,
         force_certify: bool, confidence: bool) -> None:
     """Answer QUESTION from STORE with a local LLM (each call loads the models; `certrag serve` keeps them loaded)."""
@@ -386,8 +387,9 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
     click.echo(f"({a.strategy}; {a.rounds} round(s); cites chunks {list(a.cited_chunk_ids)}; "
                f"{a.input_tokens} in / {a.output_tokens} out tokens; cost {a.cost:.6f}; "
                f"retrieve {a.trace['retrieve_ms']:.0f} ms, generate {a.trace['generate_ms']:.0f} ms)")
-    if a.confidence is not None:
-        click.echo(f"(factual confidence {a.confidence:.2f}: P(supported) from lookback ratios)")
+    if a.p_correct is not None:
+        click.echo(f"(P(correct) {a.p_correct:.2f}: the probability that the answer contains a reference answer, "
+                   f"as the classifier shipped for {a.model} estimates it)")
     c = a.certification
     if c is not None:
         click.echo(f"(certified at alpha {c.alpha}: {c.trusted_count} of {len(c.trusted)} candidates trusted; "
@@ -646,7 +648,7 @@ def train_segmenter_cmd(out: Path, sources: str, max_pairs: int, epochs: int, hi
 @main.command("train-factuality")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True,
               help="The local model whose attention the classifier reads.")
-@click.option("--questions", default=400, show_default=True, type=click.IntRange(min=20),
+@click.option("--questions", default=800, show_default=True, type=click.IntRange(min=20),
               help="NQ-open train questions to answer (at least 20: the classifier is cross-validated).")
 @click.option("--k", default=3, show_default=True, type=click.IntRange(min=1), help="Passages per question.")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
@@ -654,7 +656,8 @@ def train_segmenter_cmd(out: Path, sources: str, max_pairs: int, epochs: int, hi
 @click.option("--examples", type=click.Path(path_type=Path), default=None,
               help="Keep (and reuse) the generated answers and features here (safetensors; default in CERTRAG_HOME).")
 def train_factuality_cmd(model: str, questions: int, k: int, out: Path | None, examples: Path | None) -> None:
-    """Train the factuality classifier on lookback ratios of answers to NQ-open train questions."""
+    """Train the P(correct) classifier on answers to NQ-open train questions: stacked lookback ratios + mean
+    log-probability, or the calibrated log-probability where no lookback model beats it (chosen on train)."""
     from certrag.certify.factuality import PACKAGE_DIR
     from certrag.train.factuality import train_factuality
     from certrag.home import certrag_home
@@ -666,8 +669,9 @@ def train_factuality_cmd(model: str, questions: int, k: int, out: Path | None, e
     except ValueError as exc:  # e.g. every answer supported (one class): say so, no traceback
         raise click.ClickException(f"cannot train on these answers: {exc}") from None
     c = clf.card
-    click.echo(f"wrote {out}: {c['examples']} answers ({c['positives']} supported), C = {c['C']}, "
-               f"cross-validated AUROC {c['cv_auroc']:.3f}")
+    click.echo(f"wrote {out}: {c['examples']} answers ({c['positives']} correct); {c['chosen']}; "
+               f"cross-validated AUROC {c['cv_auroc']:.3f} (candidates: "
+               + ", ".join(f"{k} {v:.3f}" for k, v in c["cv_auroc_by_candidate"].items()) + ")")
 
 
 @main.command("train-reranker")

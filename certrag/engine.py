@@ -592,9 +592,10 @@ class Engine:
         certify=True marks every candidate trusted or not under the store's conformal calibration and, when its
         diagnostics say the guarantee holds (or force_certify=True), sends the trusted candidates instead of the
         selector's cut (at most selection.max_k); with none trusted the answer is "unknown", counted as a rejection,
-        and no LLM call is made. confidence=True records lookback ratios while the local model writes the answer
-        and fills Answer.confidence with the factuality classifier's P(supported) (engine.factuality; by default
-        the one shipped for the model).
+        and no LLM call is made. confidence=True fills Answer.p_correct, the probability that the answer contains a
+        reference answer, from the classifier engine.factuality (by default the one shipped for the model:
+        lookback ratios recorded while the local model writes, stacked with the mean log-probability, or the
+        calibrated log-probability; its card says which).
 
         llm: the model for this call only (default: engine.llm). on_text(piece): called with the text of every model
         call of this answer as it is decoded (Chain-of-Note's notes, then the answer; a remote model's text arrives
@@ -649,7 +650,8 @@ class Engine:
         from certrag.protocols import records_lookback
 
         if not records_lookback(llm):
-            raise ValueError("confidence needs a local model (certrag LocalLLM): it reads the model's attention")
+            raise ValueError("confidence needs a local model (certrag LocalLLM): it reads the model's attention and "
+                             "token probabilities")
         if self.factuality is not None:
             return self.factuality
         from certrag.certify.factuality import FactualityClassifier

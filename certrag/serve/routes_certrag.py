@@ -37,7 +37,7 @@ def ready(request: Request):
     body = {"ready": st.ready, "model": st.reader, "store": str(st.engine.path) if st.engine else None,
             "queue": st.queue.count, "queue_depth": st.config.queue_depth, "encoder_requests": st.encoders.count,
             "encoder_depth": st.config.encoder_depth,
-            "confidence": _offers_confidence(st.llm)}
+            "confidence": _offers_confidence(st.llm), "p_correct": _p_correct_about(st.llm)}
     decode = getattr(st.llm, "engine", None)  # a local model's decode engine (a remote one reports nothing here)
     if decode is not None:
         running, waiting = decode.load
@@ -46,11 +46,26 @@ def ready(request: Request):
 
 
 def _offers_confidence(llm) -> bool:
-    """Whether answers can carry a factual confidence: a model that records lookback with a classifier shipped."""
+    """Whether answers can carry p_correct: a local model (lookback, token probabilities) with a classifier shipped."""
     from certrag.certify.factuality import has_classifier
     from certrag.protocols import records_lookback
 
     return records_lookback(llm) and has_classifier(getattr(llm, "name", ""))
+
+
+def _p_correct_about(llm) -> dict | None:
+    """What an answer's p_correct means for this model, from its classifier's card; None when none is offered."""
+    if not _offers_confidence(llm):
+        return None
+    from certrag.certify.factuality import LABEL, FactualityClassifier
+
+    clf = FactualityClassifier.for_model(llm.name)
+    card = clf.card
+    about = card.get("summary") or ("stacked lookback ratios + mean log-probability" if clf.stack is not None else
+                                    "calibrated mean log-probability" if clf.kind == "logprob" else
+                                    f"{clf.kind} lookback ratios")
+    return {"means": LABEL, "score": clf.kind if clf.stack is None else f"{clf.kind}+logprob", "about": about,
+            "heldout_auroc": card.get("heldout_auroc"), "logprob_heldout_auroc": card.get("logprob_heldout_auroc")}
 
 
 @router.get("/metrics", responses={**CERTRAG_ERRORS, 200: {"content": {"text/plain": {}},

@@ -3,7 +3,7 @@
 Chat serves two kinds of model. The RAG models ("certrag" for plain RAG, "certrag:<strategy>" for another; listed by
 /v1/models when a store is served, and the default for an empty id) answer from the store: the last user message
 is the question that is retrieved for, earlier turns reach the prompt as the conversation so far, and the answer
-comes with its evidence -- candidates, selection, cited chunks, certification, confidence, grounding -- in the
+comes with its evidence -- candidates, selection, cited chunks, certification, p_correct, grounding -- in the
 response's `certrag` field (and in the last stream chunk's). A RAG answer is written greedily, then checked
 (certrag.grounding) before it is sent, so it streams as one piece; temperature, seed and stop apply to the bare
 reader. The bare reader (its own name) is the model without retrieval, streamed token by token. An unknown model id

@@ -1,6 +1,8 @@
 """Recording lookback ratios during generation: same tokens as plain generation, and the same ratios as
 output_attentions gives (the Lookback Lens way) on the same tiny model and prompt."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -154,11 +156,14 @@ def test_recorded_answer_with_the_real_small_model(smollm):
         assert smollm.tokenizer.decode(ids[a:b]).strip() == p.text
 
 
-def test_answer_confidence_from_the_recorded_generation(tmp_path, smollm):
+def test_answer_p_correct_from_the_recorded_generation(tmp_path, smollm):
+    """Answer.p_correct (was .confidence) from each kind of classifier, against the formula applied by hand to an
+    independent recording of the same prompt: lookback ratios alone, stacked with the answer's mean token
+    log-probability, and the calibrated log-probability alone (which records nothing)."""
+    from certrag.certify.factuality import FactualityClassifier, Stack
     from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig
-    from certrag.engine import Engine
     from certrag.data.corpora import wiki_leads
-    from certrag.certify.factuality import FactualityClassifier
+    from certrag.engine import Engine
     from certrag.llm.prompts import Passage, plain_messages
 
     docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:15]]
@@ -170,27 +175,46 @@ def test_answer_confidence_from_the_recorded_generation(tmp_path, smollm):
     clf = FactualityClassifier(model="smollm2-135m-instruct", kind="chunks", layers=layers,
                                heads=heads, mean=np.full(n, 0.5), scale=np.full(n, 0.1),
                                coef=rng.normal(size=n) / n, intercept=0.1, card={})
+    stack = Stack(mean=np.array([0.2, -1.0]), scale=np.array([1.5, 0.5]), coef=np.array([0.7, 1.3]), intercept=-0.2)
+    stacked = dataclasses.replace(clf, stack=stack)
+    logprob = FactualityClassifier(model="smollm2-135m-instruct", kind="logprob", layers=0, heads=0,
+                                   mean=np.array([-1.0]), scale=np.array([0.5]), coef=np.array([2.0]),
+                                   intercept=0.3, card={})
     question = f"What is {docs[2]['id'][5:]}?"
     with Engine.build(docs, tmp_path / "s", config, progress=False) as engine:
         engine.llm = smollm
         with pytest.raises(FileNotFoundError, match="train-factuality"):
             engine.answer(question, confidence=True)
-        engine.factuality = clf
-        a = engine.answer(question, confidence=True, max_new_tokens=12)
+        got = {}
+        for name, c in (("chunks", clf), ("stacked", stacked), ("logprob", logprob)):
+            engine.factuality = c
+            got[name] = engine.answer(question, confidence=True, max_new_tokens=12)
         plain = engine.answer(question, max_new_tokens=12)
-    assert a.text == plain.text and plain.confidence is None and plain.lookback is None
+    a = got["chunks"]
+    assert a.text == plain.text == got["logprob"].text and plain.p_correct is None and plain.lookback is None
+    assert a.confidence == a.p_correct and a.to_dict()["p_correct"] == a.p_correct  # the former name reads it
     assert a.lookback.steps == a.output_tokens - 1
-    assert a.confidence == pytest.approx(clf.predict(a.lookback)) and 0 < a.confidence < 1
     # The features are those of an independent recording of the same prompt.
     passages = [Passage(t, chunk_id=int(c)) for t, c in zip(a.retrieval.selected_texts,
                                                            a.retrieval.selected_chunk_ids)]
-    again = smollm.generate(plain_messages(question, passages), max_new_tokens=12, record_lookback=True).lookback
-    np.testing.assert_allclose(again.chunks, a.lookback.chunks, rtol=1e-5)
+    again = smollm.generate(plain_messages(question, passages), max_new_tokens=12, record_lookback=True)
+    np.testing.assert_allclose(again.lookback.chunks, a.lookback.chunks, rtol=1e-5)
+
+    def sigmoid(z):
+        return 1 / (1 + np.exp(-z))
+
+    z1 = ((again.lookback.chunks.ravel().astype(np.float64) - 0.5) / 0.1) @ clf.coef + 0.1
+    assert a.p_correct == pytest.approx(sigmoid(z1), rel=1e-4) and 0 < a.p_correct < 1
+    z2 = ((np.array([z1, again.mean_logprob]) - stack.mean) / stack.scale) @ stack.coef + stack.intercept
+    assert got["stacked"].p_correct == pytest.approx(sigmoid(z2), rel=1e-4)
+    assert got["logprob"].lookback is None  # nothing recorded: the log-probability alone
+    assert got["logprob"].p_correct == pytest.approx(sigmoid((again.mean_logprob + 1.0) / 0.5 * 2.0 + 0.3), rel=1e-4)
     # The classifier refuses features of another shape.
     small = FactualityClassifier(model="x", kind="chunks", layers=1, heads=2, mean=np.zeros(2), scale=np.ones(2),
                                  coef=np.ones(2), intercept=0.0, card={})
     with pytest.raises(ValueError, match="expects 1 layers x 2 heads"):
         small.predict(a.lookback)
+    assert np.isnan(stacked.predict(a.lookback))  # a stacked classifier without the log-probability: no score
 
 
 def test_classifier_round_trip_and_fit(tmp_path):
@@ -239,9 +263,9 @@ def test_stacked_score_keeps_a_strong_extra_feature_that_appending_dilutes():
     st = fit_stacked(xb, xe, y, model="m", kind="chunks", layers=0, heads=0, card={})
     stacked = auroc(ty, st.predict_vectors(tb, te))
     extra_alone = auroc(ty, te)
-    block_alone = auroc(ty, st.block.predict_vectors(tb))
+    block_alone = auroc(ty, st.decision(tb))
     assert stacked > extra_alone + 0.01 and stacked > block_alone + 0.01, (stacked, extra_alone, block_alone)
-    assert st.coef[1] > 0 and st.coef[0] > 0 and 0.5 < st.cv_auroc <= 1
+    assert st.stack.coef[1] > 0 and st.stack.coef[0] > 0 and 0.5 < st.card["cv_auroc"] <= 1
     with pytest.raises(ValueError, match="extra"):
         fit_stacked(xb, xe[:10], y, model="m", kind="chunks", layers=0, heads=0, card={})
 
@@ -270,3 +294,33 @@ def test_engine_answers_for_the_classifier_carry_the_fused_score(tmp_path, smoll
     x = combined_features(data)
     assert x.shape == (2, data["chunks"].shape[1] + 1)
     np.testing.assert_array_equal(x[:, -1], data["mean_logprob"])
+
+
+def test_the_classifier_to_ship_is_chosen_on_train_and_round_trips(tmp_path):
+    """choose() ships the stacked lookback model where its ratios add to the log-probability, and the calibrated
+    log-probability where they are noise; either saves and loads back to the same predictions."""
+    pytest.importorskip("sklearn")
+    from certrag.certify.factuality import FactualityClassifier
+    from certrag.train.factuality import choose
+
+    rng = np.random.default_rng(11)
+
+    def draw(n, signal):
+        y = rng.integers(0, 2, n)
+        full = rng.normal(size=(n, 24)) + y[:, None] * signal
+        return {"label": y, "mean_logprob": rng.normal(size=n) + y * 0.8, "full": full,
+                "chunks": rng.normal(size=(n, 24))}
+
+    for signal, want in ((0.5, "full"), (0.0, "logprob")):
+        train = draw(800, signal)
+        clf, report = choose(train, model="m", layers=4, heads=6, card={"data": "synthetic"})
+        assert clf.kind == want and set(report) == {"logprob", "full", "chunks"}, report
+        assert (clf.stack is not None) == (want != "logprob") and clf.card["cv_auroc_by_candidate"] == report
+        clf.save(tmp_path / f"{want}.json")
+        back = FactualityClassifier.load(tmp_path / f"{want}.json")
+        x = train["mean_logprob"][:, None] if want == "logprob" else train[want]
+        extra = None if want == "logprob" else train["mean_logprob"]
+        np.testing.assert_allclose(back.predict_vectors(x, extra), clf.predict_vectors(x, extra))
+    with pytest.raises(ValueError, match="kind"):
+        FactualityClassifier(model="m", kind="attention", layers=0, heads=0, mean=np.zeros(1), scale=np.ones(1),
+                             coef=np.ones(1), intercept=0.0, card={})
