@@ -403,7 +403,8 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
 @main.command()
 @click.argument("store", type=click.Path(path_type=Path))
 @click.option("--data", required=True,
-              help="Calibration items: a JSONL file (question, answers, optional source_id / source) or "
+              help="Calibration items: a JSONL file, one {question, answers} or {question, source_id} per line (an "
+                   "unlabelled question with the id of the document that answers it is enough), or "
                    "'nq-open:calibration' for the bundled NQ-open calibration split.")
 @click.option("--alpha", default=0.1, show_default=True, help="Miss rate: a correct chunk is trusted with "
                                                                   "probability >= 1 - alpha.")
@@ -437,7 +438,9 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
         except (RuntimeError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(record.to_dict(), indent=2))
+        from certrag.certify.conformal import items_for_coverage
+
+        click.echo(json.dumps({**record.to_dict(), "items_for_coverage": items_for_coverage(record.alpha)}, indent=2))
         return
     d = record.diagnostics
     fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
@@ -447,8 +450,18 @@ def calibrate(store: Path, data: str, alpha: float, holdout: float, eval_data: s
                f"mean trusted {fmt(d.mean_trusted)}  retrieval recall {fmt(d.retrieval_recall)}")
     click.echo("guarantee holds" if d.holds else "guarantee does NOT hold: " + "; ".join(d.reasons)
                + "\n`ask --certify` will not filter (use --force-certify to filter anyway)")
+    click.echo(_items_needed_line(record.alpha, record.n))
     if not dry_run:
         click.echo(f"stored in {store}")
+
+
+def _items_needed_line(alpha: float, n: int) -> str:
+    from certrag.certify.conformal import coverage_probability, items_for_coverage
+
+    need, floor = items_for_coverage(alpha), 1 - alpha - 0.02
+    return (f"items: {n}; with {n} the coverage this threshold delivers is >= {floor:.2f} with probability "
+            f"{coverage_probability(n, alpha, floor):.2f}; {need} labelled items make that 0.90"
+            + (" (enough)" if n >= need else f" ({need - n} more)"))
 
 
 @main.command()

@@ -13,7 +13,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from certrag.certify.conformal import (Calibration, CalibrationError, ScoredItems, check_alpha, calibrated_scores,
-                                       diagnose, min_calibration_size, score_transform_name, threshold)
+                                       diagnose, items_for_coverage, min_calibration_size, score_transform_name,
+                                       threshold)
 from certrag.data.splits import normalise_question, stable_fraction
 
 
@@ -22,7 +23,8 @@ from certrag.data.splits import normalise_question, stable_fraction
 @dataclass(frozen=True, kw_only=True)
 class CalibrationItem:
     """question; answers: reference answers; source_id: the id of the document that holds the answer (as the store
-    names it); source_text: the source passage's text. Either source is optional."""
+    names it); source_text: the source passage's text. An item needs answers or a source: a question with only the
+    id of the document that answers it is enough (its candidates from that document count as correct)."""
 
     question: str
     answers: tuple[str, ...]
@@ -31,8 +33,8 @@ class CalibrationItem:
 
 
 def load_calibration_items(data: object) -> list[CalibrationItem]:
-    """A JSONL path (one object per line: question, answers (list) or answer (string), optional source_id and
-    source), the literal 'nq-open:calibration' (the bundled NQ-open calibration split, with its gold passages), or
+    """A JSONL path (one object per line: question, answers (list) or answer (string), and/or source_id (the
+    answering document's id in the store) and source (its text); answers may be left out when a source is given), the literal 'nq-open:calibration' (the bundled NQ-open calibration split, with its gold passages), or
     a list of CalibrationItem / dicts of the same fields."""
     if isinstance(data, str) and data.startswith("nq-open:"):
         from certrag.data.nq import SPLITS, load_nq_open
@@ -68,12 +70,15 @@ def load_calibration_items(data: object) -> list[CalibrationItem]:
         if not isinstance(question, str) or not question.strip():
             raise CalibrationError(f"{where}: missing field 'question' (a non-empty string)")
         answers = row.get("answers", row.get("answer"))
+        source_id, source = row.get("source_id"), row.get("source")
         if isinstance(answers, str):
             answers = [answers]
-        if (not isinstance(answers, list) or not answers
+        if answers is None and (source_id is not None or source is not None):
+            answers = []  # unlabelled: the question and the document (or passage) that answers it
+        if (not isinstance(answers, list) or (not answers and source_id is None and source is None)
                 or not all(isinstance(a, str) and a.strip() for a in answers)):
-            raise CalibrationError(f"{where}: missing field 'answers' (a list of non-empty strings) or 'answer'")
-        source_id, source = row.get("source_id"), row.get("source")
+            raise CalibrationError(f"{where}: needs 'answers' (a list of non-empty strings) or 'answer', or the "
+                                   "'source_id' of the document that answers the question")
         if source_id is not None and not isinstance(source_id, (str, int)):
             raise CalibrationError(f"{where}: 'source_id' must be a string")
         if source is not None and not isinstance(source, str):
@@ -193,7 +198,9 @@ def calibrate(engine, data: object, *, alpha: float = 0.1, holdout: float = 0.3,
     need = min_calibration_size(alpha)
     if len(cal_items) < need:
         raise CalibrationError(f"alpha={alpha} needs at least {need} calibration items; got {len(cal_items)}"
-                               + (f" after holding out {len(eval_items)} for the check" if eval_data is None else ""))
+                               + (f" after holding out {len(eval_items)} for the check" if eval_data is None else "")
+                               + f" (and about {items_for_coverage(alpha)} for the coverage it delivers to be within "
+                               "0.02 of 1 - alpha with probability 0.9)")
     n_cand = candidates or engine.config.retrieval.candidates
     transform = score_transform_name(engine.reranker_identity() is not None)
     judge = ChunkJudge(answer_threshold=answer_threshold, source_threshold=source_threshold, span_tokens=span_tokens)

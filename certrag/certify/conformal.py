@@ -56,6 +56,45 @@ def min_calibration_size(alpha: float) -> int:
     return n
 
 
+def coverage_probability(n: int, alpha: float, at_least: float) -> float:
+    """P(the coverage a split-conformal threshold made from n exchangeable items delivers on new questions is at
+    least `at_least`). Given the calibration items, coverage is Beta(k, n + 1 - k) with k = ceil((n+1)(1-alpha))
+    (Vovk 2012; Angelopoulos and Bates, "A Gentle Introduction to Conformal Prediction", section 3.2); for integer
+    parameters P(Beta(k, n+1-k) >= t) = P(Binomial(n, t) <= k - 1), summed here in log space."""
+    k = _rank(n, alpha)
+    if k > n:
+        return 0.0  # no finite threshold
+    t = float(at_least)
+    if t <= 0.0:
+        return 1.0
+    if t >= 1.0:
+        return 0.0
+    logs = [math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * math.log(t)
+            + (n - j) * math.log1p(-t) for j in range(k)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * math.fsum(math.exp(v - top) for v in logs))
+
+
+def items_for_coverage(alpha: float, slack: float = 0.02, probability: float = 0.9, limit: int = 200_000) -> int:
+    """How many labelled calibration items make the delivered coverage at least 1 - alpha - slack with the given
+    probability (coverage_probability), for this n and every larger one up to the next 1/alpha (the rank's floor
+    makes the probability a saw-tooth in n). min_calibration_size is only what makes the threshold finite: with 9
+    items at alpha 0.1 the coverage a user gets is anywhere from 0.6 to 1."""
+    check_alpha(alpha)
+    if not 0.0 < slack < 1.0 - alpha:
+        raise ValueError(f"slack must be in (0, 1 - alpha); got {slack!r}")
+    if not 0.0 < probability < 1.0:
+        raise ValueError(f"probability must be in (0, 1); got {probability!r}")
+    run = math.ceil(1.0 / alpha)
+    n, good = min_calibration_size(alpha), 0
+    while n <= limit:
+        good = good + 1 if coverage_probability(n, alpha, 1.0 - alpha - slack) >= probability else 0
+        if good > run:
+            return n - run
+        n += 1
+    raise ValueError(f"more than {limit} items would be needed for alpha={alpha}, slack={slack}")
+
+
 def _rank(n: int, alpha: float) -> int:
     # ceil((n+1)(1-alpha)), so that a product that is an integer in exact arithmetic (10 * 0.9) does not round up
     # by one ulp and then by one rank.

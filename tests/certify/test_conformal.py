@@ -139,7 +139,10 @@ def test_calibration_items_load_and_bad_sets_are_refused(tmp_path):
     items = load_calibration_items(good)
     assert items == [CalibrationItem(question="q1", answers=("a", "b"), source_id="d1"),
                      CalibrationItem(question="q2", answers=("c",), source_text="passage")]
-    cases = {'{"answers": ["a"]}': "question", '{"question": "q"}': "answers", '{"question": "q", "answers": []}':
+    unlabelled = tmp_path / "unlabelled.jsonl"  # a question and the document that answers it: enough
+    unlabelled.write_text(json.dumps({"question": "q3", "source_id": 17}) + "\n")
+    assert load_calibration_items(unlabelled) == [CalibrationItem(question="q3", answers=(), source_id="17")]
+    cases = {'{"answers": ["a"]}': "question", '{"question": "q"}': "source_id", '{"question": "q", "answers": []}':
              "answers", '{"question": "q", "answers": ["a"], "source": 3}': "source", "[1]": "object",
              "{oops": "JSON"}
     for line, field in cases.items():
@@ -355,6 +358,58 @@ def test_certified_answer_with_nothing_trusted_is_unknown_without_an_llm_call(wi
     assert a.certification.applied and a.certification.trusted_count == 0 and a.retrieval.selected == 0
 
 
+def test_unlabelled_questions_with_their_source_document_calibrate_by_the_source_rule(wiki_engine):
+    """Items that are only a question and the id of the document that answers it: each item's nonconformity is the
+    best score among its candidates from that document, and the threshold is the conformal quantile of those (items
+    whose document was not retrieved left out) -- computed here by hand from the engine's own retrieval."""
+    from certrag.certify.calibration import stable_holdout
+    from certrag.select import TopKSelector
+
+    engine, _, _, items = wiki_engine
+    bare = [{"question": it["question"], "source_id": it["source_id"]} for it in items]
+    rec = engine.calibrate(bare, alpha=0.2, holdout=0.3, progress=False)
+    cal = [it for it in bare if not stable_holdout(it["question"], 0.3)]
+    best = []
+    for it in cal:
+        r = engine.retrieve(it["question"], candidates=rec.candidates, selector=TopKSelector(k=rec.candidates))
+        mine = [float(s) for d, s in zip(r.doc_ids, r.dense_scores) if d == it["source_id"]]
+        best.append(max(mine) if mine else -math.inf)
+    want = -conformal_quantile([-b for b in best if b > -math.inf], 0.2)  # misses left out, as the module says
+    assert rec.n == len(cal) and rec.s_thres == pytest.approx(want, abs=1e-6)
+    assert rec.diagnostics.n_eval == len(bare) - len(cal)
+
+
+def test_items_needed_for_coverage_match_the_beta_law_and_a_simulation():
+    """coverage_probability is the Beta(k, n+1-k) law of split-conformal coverage (scipy as the oracle); with
+    items_for_coverage(alpha) items, exchangeable scores give coverage >= 1 - alpha - 0.02 in at least 90% of
+    simulated calibrations (as the law says, which fewer items do not reach)."""
+    from scipy.stats import beta
+
+    from certrag.certify.conformal import conformal_quantile, coverage_probability, items_for_coverage
+
+    for n, alpha, t in ((9, 0.1, 0.88), (200, 0.1, 0.88), (57, 0.2, 0.7), (1000, 0.05, 0.94)):
+        k = math.ceil((n + 1) * (1 - alpha))
+        assert coverage_probability(n, alpha, t) == pytest.approx(beta.sf(t, k, n + 1 - k), rel=1e-9, abs=1e-12)
+    assert coverage_probability(5, 0.1, 0.5) == 0.0  # too few for a finite threshold
+    need = items_for_coverage(0.1)
+    assert 300 < need < 500 and items_for_coverage(0.1, slack=0.05) < need
+    rng = np.random.default_rng(5)
+
+    def share_good(n, trials=800):
+        good = 0
+        for _ in range(trials):
+            q = conformal_quantile(rng.random(n), 0.1)
+            good += q >= 0.88  # uniform scores: the coverage of threshold q is q itself
+        return good / trials
+
+    for n in (need, 20, 60):  # the simulated share agrees with the law (3 binomial standard errors)
+        p = coverage_probability(n, 0.1, 0.88)
+        assert abs(share_good(n) - p) < 3 * math.sqrt(p * (1 - p) / 800) + 1e-3, n
+    assert coverage_probability(need, 0.1, 0.88) >= 0.9 > coverage_probability(need // 3, 0.1, 0.88)
+    with pytest.raises(ValueError, match="slack"):
+        items_for_coverage(0.1, slack=0.95)
+
+
 def test_cli_calibrate_dry_run_and_refusals(tmp_path, wiki_engine):
     from click.testing import CliRunner
 
@@ -369,7 +424,11 @@ def test_cli_calibrate_dry_run_and_refusals(tmp_path, wiki_engine):
     assert res.exit_code == 0, res.output
     rec = json.loads(res.output[res.output.index("{"):])
     assert rec["alpha"] == 0.2 and rec["n"] + rec["diagnostics"]["n_eval"] == 120
+    assert rec["items_for_coverage"] > rec["n"]
     assert plot.stat().st_size > 1000
+    res = CliRunner().invoke(main, ["calibrate", str(path), "--data", str(data), "--alpha", "0.2", "--dry-run"])
+    assert res.exit_code == 0 and f"labelled items make that 0.90 ({rec['items_for_coverage'] - rec['n']} more)" \
+        in res.output, res.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q"}\n')
     res = CliRunner().invoke(main, ["calibrate", str(path), "--data", str(bad), "--dry-run"])
