@@ -146,16 +146,24 @@ def plain_messages(question: str, passages: list[Passage], qtype: str = "open",
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
+CON_PREFIX = "Passage 1:"  # Chain-of-Note's answer is started with its first note (local models continue it)
+
+
 def chain_of_note_messages(question: str, passages: list[Passage], qtype: str = "open",
                            options: list[str] | None = None) -> list[dict]:
-    """Chain-of-Note (Yu et al., 2023): a reading note per passage, then the answer, or 'unknown'."""
+    """Chain-of-Note (Yu et al., 2023, the prompt of its appendix in certrag's words): read the passages in order,
+    write a note on each -- whether it answers the question, gives context, or is irrelevant, and what it says --
+    then the answer, or 'unknown' when no passage is relevant and the model does not know. The format is said in
+    words, not shown as a template: the 0.5B reader copied "Note 1 [ANSWERS|CONTEXT|IRRELEVANT]: ..." verbatim on
+    8 of 8 NQ-open questions; with the assistant's text started as CON_PREFIX the 1.5B reader wrote a note per
+    passage and the answer line on 6 of 6."""
+    n = len(passages)
     user = (f"{format_passages(passages)}\n\n{_task(question, qtype, options)}\n\n"
-            "First write one reading note per passage, in order, each on its own line as\n"
-            "Note 1 [ANSWERS|CONTEXT|IRRELEVANT]: what the passage says about the question\n"
-            "ANSWERS: the passage states the answer. CONTEXT: it gives background from which the answer can be "
-            "inferred. IRRELEVANT: it does not help.\n"
-            "Then write the final line as\nAnswer: <answer>\n"
-            "If every passage is irrelevant and you do not know the answer, write: Answer: unknown")
+            f"Before answering, read the {n} passage{'s' if n != 1 else ''} one by one. For each passage, in order, "
+            "write one line that starts with 'Passage' and its number, says whether the passage answers the "
+            "question, gives useful context, or is irrelevant, and what it says about the question. After the last "
+            "passage, write a final line that starts with 'Answer:' and gives a short answer based on the relevant "
+            "passages; if no passage is relevant and you do not know the answer, write 'Answer: unknown'.")
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 

@@ -9,29 +9,40 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Sequence
 
-from certrag.llm.prompts import (Passage, chain_of_note_messages, closed_book_messages, note_messages,
+from certrag.llm.prompts import (CON_PREFIX, Passage, chain_of_note_messages, closed_book_messages, note_messages,
                                  noted_answer_messages)
+from certrag.protocols import TokenLLM
 from certrag.strategies.base import (LLM, UNKNOWN, Note, Selection, StrategyResult, first_line, generate,
                                      generate_all, is_unknown)
 
 
-_NOTE = re.compile(r"^\s*(?:\*\*)?note\s*(\d+)?\s*(?:\[([a-z_ ]+)\]|\(([a-z_ ]+)\))?\s*:?\s*(.*)$", re.I)
+_NOTE = re.compile(r"^[\s*#>-]*(?:note|passage)\s*(\d+)?\s*(?:\[([a-z_ |]+)\]|\(([a-z_ |]+)\))?\s*[:.-]?\s*(.*)$", re.I)
 _ANSWER = re.compile(r"^\s*(?:\*\*)?(?:final\s+)?answer(?:\*\*)?\s*:\s*(.*)$", re.I)
+_IRRELEVANT = re.compile(r"\b(?:irrelevant|not\s+relevant|no\s+relevan|unrelated|does\s+not\s+(?:help|mention|"
+                         r"answer|say)|doesn't\s+(?:help|mention|answer|say))|^\W*no\b", re.I)
+_ANSWERS = re.compile(r"\b(?:answers\s+the\s+question|states\s+the\s+answer|gives\s+the\s+answer|"
+                      r"contains\s+the\s+answer|answers)\b", re.I)
+_CONTEXT = re.compile(r"\b(?:context|relevant|infer|background|related)\b|^\W*yes\b", re.I)
 
 
 def _kind(label: str, text: str) -> str:
-    probe = (label or "").lower() or text.lower()[:60]
-    if "irrelevant" in probe or "not relevant" in probe:
+    """A note's kind from its label ("[ANSWERS]") or, without one, from the words of its verdict: irrelevant before
+    answers before context, so "not relevant" is not read as "relevant". A note that gives no verdict at all
+    (it only says what the passage is about) is context: the model kept it to answer from."""
+    probe = (label or "").lower() if label and "|" not in label else text[:160]
+    if _IRRELEVANT.search(probe):
         return "irrelevant"
-    if "context" in probe or "infer" in probe:
-        return "context"
-    if "answer" in probe or "states" in probe:
+    if _ANSWERS.search(probe):
         return "answers"
-    return "malformed"
+    if _CONTEXT.search(probe):
+        return "context"
+    return "context" if text.strip() and not label else "malformed"
 
 
 def parse_chain_of_note(output: str, n_passages: int) -> tuple[tuple[Note, ...], str, bool]:
-    """Returns (notes, answer, malformed). Never raises: what cannot be parsed is reported as malformed."""
+    """Returns (notes, answer, malformed) from one Chain-of-Note generation: a line per passage ("Passage 2: ..."
+    or "Note 2 [IRRELEVANT]: ..."), then "Answer: ...". Malformed: a note missing, out of range or without a
+    readable kind, or no answer line. Never raises."""
     notes, answer, malformed = [], None, False
     for line in output.splitlines():
         m = _ANSWER.match(line)
@@ -39,7 +50,7 @@ def parse_chain_of_note(output: str, n_passages: int) -> tuple[tuple[Note, ...],
             answer = m.group(1).strip().strip("*").strip()
             continue
         m = _NOTE.match(line)
-        if m and line.strip().lower().lstrip("*").startswith("note"):
+        if m and re.match(r"^[\s*#>-]*(?:note|passage)\b", line, re.I):
             idx = int(m.group(1)) if m.group(1) else len(notes) + 1
             label = m.group(2) or m.group(3) or ""
             kind = _kind(label, m.group(4))
@@ -114,22 +125,23 @@ class ChainOfNote:
     """Chain-of-Note (Yu et al., 2023): a reading note per passage (answers / context / irrelevant), then the
     answer or 'unknown'. An 'unknown' answer counts as a rejection.
 
-    mode "per_passage" (default): one note per passage, each its own short call (batched on a local model), then
-    the answer from the passages not noted irrelevant, each with its note. When every passage is noted irrelevant
-    (or there are none) the model is asked once more without them (fallback=True): it answers from what it knows
-    or says 'unknown' -- the paper's behaviour, whose answers at noise 1.0 approach the no-retrieval model's.
-    A note without a kind is reported (malformed) and its passage kept. check_notes=True holds each ANSWERS or
-    CONTEXT note to its passage (check_note): a note whose answer the passage does not contain is demoted (the
-    model's own label stays in Note.claimed).
-    mode "single": the paper's layout, every note and the answer in one generation -- for models that follow a
-    multi-part format (the bundled 0.5B reader does not: it skips the notes; bench_qa.py).
+    mode "single" (default): the paper's method, one generation per question -- the notes on d1..dk in order, each
+    seeing the ones before, then the answer (certrag.llm.prompts.chain_of_note_messages; a local model's text is
+    started with the first note's "Passage 1:"). The notes are the model's own: nothing relabels them.
+    mode "per_passage": one note per passage, each its own short call (batched on a local model), then the answer
+    from the passages not noted irrelevant, each with its note; when every passage is noted irrelevant (or there are
+    none) the model is asked once more without them (fallback=True): it answers from what it knows or says
+    'unknown'. A note without a kind is reported (malformed) and its passage kept. check_notes=True holds each
+    ANSWERS or CONTEXT note to its passage (check_note, lexical): a note whose answer the passage does not contain
+    is demoted (the model's own label stays in Note.claimed). Not the paper's; kept for small readers that cannot
+    write the one-pass format (the 0.5B reader), measured in bench_qa.
     max_new_tokens: per note (per passage in "single" mode, plus the answer line)."""
 
     max_new_tokens: int = 40
-    mode: str = "per_passage"
+    mode: str = "single"
     answer_tokens: int = 32
     fallback: bool = True
-    check_notes: bool = True
+    check_notes: bool = False
     name: str = "chain_of_note"
 
     def run(self, question: str, passages: Sequence[Passage], llm: LLM, qtype: str = "open",
@@ -140,9 +152,12 @@ class ChainOfNote:
             raise ValueError(f"mode must be 'per_passage' or 'single'; got {self.mode!r}")
         if self.mode == "single":
             budget = self.max_new_tokens * (len(passages) + 1)
+            started = CON_PREFIX if passages and isinstance(llm, TokenLLM) else ""
+            kwargs = {"prefix": started} if started else {}
             g = generate(llm, chain_of_note_messages(question, passages, qtype, options), max_new_tokens=budget,
-                         record_lookback=record_lookback)
-            notes, answer, malformed = parse_chain_of_note(g.text, len(passages))
+                         record_lookback=record_lookback, **kwargs)
+            notes, answer, malformed = parse_chain_of_note(f"{started}{g.text}" if started else g.text,
+                                                           len(passages))
             rejected = is_unknown(answer)
             return StrategyResult(text=UNKNOWN if rejected else answer, calls=(g,), notes=notes, rejected=rejected,
                                   malformed=malformed, passages_used=len(passages))

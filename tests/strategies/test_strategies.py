@@ -58,6 +58,43 @@ def test_chain_of_note_parsing_malformed_never_crashes(out):
     assert malformed and isinstance(answer, str)
 
 
+def test_chain_of_note_is_the_papers_one_pass_by_default_and_reads_the_notes_verdicts():
+    """The paper's Chain-of-Note: one generation, the notes on the passages in order (each written after the ones
+    before), then the answer; the kind of each note read from its own words, never relabelled against the passage
+    (before: a call per note by default, and a lexical check that overruled the model)."""
+    default = ChainOfNote()
+    assert default.mode == "single" and not default.check_notes
+    three = [*PASSAGES, Passage("Marseille is a port on the Mediterranean.", "m")]
+    out = ("Passage 1: answers the question: it says Paris is the capital of France.\n"
+           "Passage 2: irrelevant, it is about Lyon.\n"
+           "Passage 3: not relevant to the question.\n"
+           "Answer: Paris")
+    llm = Scripted([out])
+    r = default.run("Capital of France?", three, llm)
+    assert len(llm.prompts) == 1 and len(r.calls) == 1 and r.answer_call == 0
+    assert [n.kind for n in r.notes] == ["answers", "irrelevant", "irrelevant"] and [n.passage for n in r.notes] == \
+        [1, 2, 3]
+    assert r.text == "Paris" and not r.malformed and not r.rejected
+    prompt = llm.prompts[0][1]["content"]
+    assert all(p.text in prompt for p in three) and "one by one" in prompt and "Answer: unknown" in prompt
+    notes, _, malformed = parse_chain_of_note("Passage 1: Yes, gives useful context about the capital.\n"
+                                              "Passage 2: Lyon is a city on the Rhone.\nAnswer: Paris", 2)
+    assert [n.kind for n in notes] == ["context", "context"] and not malformed  # a note with no verdict: kept
+    notes, _, malformed = parse_chain_of_note("Passage 1: no, irrelevant\nAnswer: unknown", 2)
+    assert notes[0].kind == "irrelevant" and malformed  # one note for two passages
+
+
+def test_chain_of_note_continues_a_local_models_first_note(smollm):
+    """A local model's text is started with "Passage 1:" (its tokens count as input), so even a small reader starts
+    with the notes; the parse sees the note it continues."""
+    from certrag.llm.prompts import CON_PREFIX, chain_of_note_messages
+
+    r = ChainOfNote(max_new_tokens=10).run("Capital of France?", PASSAGES, smollm)
+    prompt = len(smollm.prompt_ids(chain_of_note_messages("Capital of France?", PASSAGES)))
+    assert r.calls[0].input_tokens == prompt + len(smollm.tokenizer(CON_PREFIX, add_special_tokens=False)["input_ids"])
+    assert r.notes and r.notes[0].passage == 1
+
+
 def test_chain_of_note_counts_unknown_as_rejection():
     llm = Scripted(["Note 1 [IRRELEVANT]: no.\nNote 2 [IRRELEVANT]: no.\nAnswer: unknown"])
     r = ChainOfNote(mode="single").run("Who won?", PASSAGES, llm)
@@ -79,7 +116,7 @@ def test_note_parsing(out, kind, text, malformed):
 
 def test_chain_of_note_per_passage_keeps_relevant_passages_with_their_notes():
     llm = Scripted(["ANSWERS: Paris.", "IRRELEVANT: a city.", "Paris"])
-    r = ChainOfNote().run("Capital of France?", PASSAGES, llm)
+    r = ChainOfNote(mode="per_passage").run("Capital of France?", PASSAGES, llm)
     assert [n.kind for n in r.notes] == ["answers", "irrelevant"] and [n.passage for n in r.notes] == [1, 2]
     assert r.text == "Paris" and not r.rejected and not r.malformed and r.cited == (0,) and r.answer_call == 2
     assert len(r.calls) == 3 and r.input_tokens == sum(c.input_tokens for c in r.calls)
@@ -92,19 +129,21 @@ def test_chain_of_note_per_passage_keeps_relevant_passages_with_their_notes():
 def test_chain_of_note_all_irrelevant_falls_back_on_what_the_model_knows():
     # Every note irrelevant: one more call, without passages, that may answer from the model's knowledge ...
     llm = Scripted(["IRRELEVANT: no.", "Irrelevant: no.", "Paris"])
-    r = ChainOfNote().run("Capital of France?", PASSAGES, llm)
+    per = ChainOfNote(mode="per_passage")
+    r = per.run("Capital of France?", PASSAGES, llm)
     assert r.text == "Paris" and not r.rejected and len(r.calls) == 3 and r.answer_call is None and r.cited == ()
     closed = llm.prompts[2][1]["content"]
     assert "<passage" not in closed and "Paris is the capital" not in closed and "unknown" in closed
     # ... or say it does not know: an honest refusal
-    r = ChainOfNote().run("Who won?", PASSAGES, Scripted(["IRRELEVANT: no.", "Irrelevant: no.", "Unknown."]))
+    r = per.run("Who won?", PASSAGES, Scripted(["IRRELEVANT: no.", "Irrelevant: no.", "Unknown."]))
     assert r.rejected and r.text == "unknown" and len(r.calls) == 3
     # fallback=False: 'unknown' with no further call
-    r = ChainOfNote(fallback=False).run("Who won?", PASSAGES, Scripted(["IRRELEVANT: no.", "Irrelevant: no."]))
+    r = ChainOfNote(mode="per_passage", fallback=False).run("Who won?", PASSAGES,
+                                                            Scripted(["IRRELEVANT: no.", "Irrelevant: no."]))
     assert r.rejected and r.text == "unknown" and len(r.calls) == 2 and r.answer_call is None
     # A note without a kind is reported and its passage kept; 'unknown' from the answer call is a rejection too.
     llm = Scripted(["IRRELEVANT: no.", "It mentions Lyon.", "Unknown."])
-    r = ChainOfNote().run("Who won?", PASSAGES, llm)
+    r = per.run("Who won?", PASSAGES, llm)
     assert r.malformed and r.rejected and r.cited == (1,) and r.notes[1].kind == "malformed"
     with pytest.raises(ValueError, match="mode"):
         ChainOfNote(mode="both").run("q", PASSAGES, Scripted([]))
@@ -128,9 +167,9 @@ def test_a_note_is_held_to_its_passage():
     assert check_note("malformed", "x", doc, q) == "malformed"
     # through the strategy: the demoted note leaves nothing to answer from, so the model is asked without passages
     llm = Scripted(["ANSWERS: The last time the Philadelphia won the Super Bowl was in 2004.", "unknown"])
-    r = ChainOfNote().run(q, [Passage(doc)], llm)
+    r = ChainOfNote(mode="per_passage", check_notes=True).run(q, [Passage(doc)], llm)
     assert r.notes[0].kind == "irrelevant" and r.notes[0].claimed == "answers" and r.rejected and len(r.calls) == 2
-    r = ChainOfNote(check_notes=False).run(q, [Passage(doc)], Scripted([llm.replies[0] if llm.replies else
+    r = ChainOfNote(mode="per_passage").run(q, [Passage(doc)], Scripted([llm.replies[0] if llm.replies else
                                                                         "ANSWERS: in 2004.", "2004"]))
     assert r.text == "2004" and r.notes[0].kind == "answers"
 
