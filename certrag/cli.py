@@ -594,13 +594,18 @@ def models_install(name: str | None) -> None:
               type=click.Choice(STRATEGY_NAMES))
 @click.option("--noise", "noise", multiple=True, type=float,
               help="Chain-of-Note noise ratio(s); without it the engine's own retrieval supplies the passages.")
+@click.option("--noise-kind", type=click.Choice(["hard", "random"]), default="hard", show_default=True,
+              help="Noisy passages: the best-ranked answer-free candidates, or random Wikipedia leads.")
+@click.option("--unanswerable", is_flag=True,
+              help="Also answer each question from its top k answer-free candidates (the answer removed from the "
+                   "store): the reject rate there is the honest 'unknown'.")
 @click.option("--k", default=5, show_default=True, help="Passages per question under the noise protocol.")
 @click.option("--model", default=None,
               help="Bundled model or transformers folder (default: qwen2.5-coder-0.5b-instruct).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write the full report as JSON.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summaries as JSON (one object per run) instead.")
-def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], noise: tuple[float, ...], k: int,
-             model: str | None, out: Path | None, as_json: bool) -> None:
+def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], noise: tuple[float, ...],
+             noise_kind: str, unanswerable: bool, k: int, model: str | None, out: Path | None, as_json: bool) -> None:
     """Evaluate answering strategies on NQ-open (EM, F1, reject rate, tokens, cost, cost-efficiency)."""
     from certrag.data.nq import load_nq_open
     from certrag.eval.qa import evaluate, markdown, write_report
@@ -612,10 +617,19 @@ def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], n
     reports = []
     with _open_engine(store, read_only=True) as engine:
         engine.llm = LocalLLM(model) if model else LocalLLM()
+        leads = None
+        if noise_kind == "random" and noise:
+            from certrag.data.corpora import wiki_leads
+            from certrag.data.nq import passage_text
+
+            leads = [passage_text(t, x) for t, x, _ in wiki_leads()]
+        runs = list(noise or ([] if unanswerable else [None])) + (["unanswerable"] if unanswerable else [])
+        retrievals: dict = {}
         for strategy in strategies:
-            for ratio in (noise or (None,)):
+            for ratio in runs:
                 try:
-                    reports.append(evaluate(engine, items, strategy, noise_ratio=ratio, k=k))
+                    reports.append(evaluate(engine, items, strategy, noise_ratio=ratio, k=k, noise=noise_kind,
+                                            leads=leads, retrievals=retrievals))
                 except ValueError as exc:
                     raise click.ClickException(str(exc)) from None
     if out:
@@ -627,8 +641,8 @@ def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], n
     for r in reports:
         if r["summary"].get("skipped"):
             s = r["summary"]
-            click.echo(f"{s['strategy']} at noise {s['noise_ratio']}: {s['skipped']} questions skipped (too few "
-                       f"relevant passages or hard negatives for exactly {k} passages)")
+            click.echo(f"{s['strategy']} at noise {s['noise_ratio']}: {s['skipped']} of {len(items)} questions do not "
+                       f"qualify (fewer than {k} retrieved answer-bearing passages or {k} answer-free ones)")
 
 
 @main.command("train-segmenter")
