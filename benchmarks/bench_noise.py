@@ -1,0 +1,178 @@
+"""Chain-of-Note's noise protocol as the paper runs it (Yu et al., 2023, Table 3 and section 4.3): plain RAG against
+Chain-of-Note, paired, at every noise ratio, with random noise, and on questions the store cannot answer.
+
+certrag.eval.qa has the protocol: exactly k = 5 passages; relevant ones are *retrieved* answer-bearing passages
+(nothing injected), noisy ones the best-ranked answer-free candidates ("hard"; the paper's noisy retrieved
+documents) or random Wikipedia leads of the bundled corpus ("random"); one question set for every ratio (the NQ-open
+test questions among the first --scan that have 5 relevant and 5 noisy passages; their number is reported). The
+unanswerable condition answers each of the same questions from its top 5 answer-free candidates (the store with
+every passage that answers it removed): the paper's "unknown" robustness (its reject rate). Both strategies see the
+same passages; reported with 95% bootstrap intervals of EM, reject rate and the paired differences.
+
+Rows are appended to benchmarks/data/bench_noise-<model>-<weights>.jsonl as they are made (--resume continues;
+--shard i --workers n splits the questions over processes, one core each; --report-only summarises).
+
+    python benchmarks/bench_noise.py --scan 400 --questions 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+K = 5
+STRATEGIES = ("plain", "chain_of_note")
+DEFAULT_READER = "qwen2.5-coder-0.5b-instruct"
+
+
+def conditions(args) -> list[tuple[str, object]]:
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    random_ratios = [float(r) for r in args.random_ratios.split(",") if r]
+    return ([("hard", r) for r in ratios] + [("random", r) for r in random_ratios]
+            + ([("unanswerable", "unanswerable")] if args.unanswerable else []))
+
+
+def rows_path(args) -> Path:
+    return _common.DATA_DIR / f"bench_noise-{args.model}-{args.weights}.jsonl"
+
+
+def qualifying(engine, scan: int) -> list:
+    """(index, item) of the first `scan` NQ-open test questions that qualify for every ratio."""
+    from certrag.data.nq import load_nq_open
+    from certrag.eval.qa import noise_passages, protocol_retrievals
+
+    out = []
+    for i, item in enumerate(load_nq_open(split="test")[:scan]):
+        ranked, pool = protocol_retrievals(engine, item.question, K)
+        if noise_passages(item, ranked, K, 0.0, relevant_pool=pool) is not None:
+            out.append((i, item))
+    return out
+
+
+def run(args) -> None:
+    _common.pin_threads(1, offset=args.shard or 0)
+    from _nq import cached_embedder, nq_store
+
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import passage_text
+    from certrag.eval.qa import evaluate
+    from certrag.llm import LocalLLM
+    from certrag.rerank import CrossEncoderReranker
+
+    engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
+    engine.llm = LocalLLM(args.model, weights=args.weights, num_threads=1)
+    leads = [passage_text(t, x) for t, x, _ in wiki_leads()]
+    chosen = qualifying(engine, args.scan)[:args.questions]
+    mine = chosen[(args.shard or 0)::args.workers]
+    path = rows_path(args)
+    done = set()
+    if path.exists():
+        done = {(r["q"], r["kind"], str(r["ratio"]), r["strategy"]) for r in map(json.loads, path.open())}
+    with path.open("a") as out:
+        for qi, item in mine:
+            retrievals: dict = {}
+            for kind, ratio in conditions(args):
+                for strategy in STRATEGIES:
+                    if (qi, kind, str(ratio), strategy) in done:
+                        continue
+                    report = evaluate(engine, [item], strategy, noise_ratio=ratio, k=K,
+                                      noise="hard" if kind == "unanswerable" else kind, leads=leads,
+                                      progress=False, retrievals=retrievals)
+                    row = report["rows"][0] if report["rows"] else None
+                    out.write(json.dumps({"q": qi, "kind": kind, "ratio": ratio, "strategy": strategy,
+                                          "row": row}) + "\n")
+                    out.flush()
+            print(f"question {qi} done", file=sys.stderr, flush=True)
+
+
+def bootstrap(values, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    if not len(v):
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), (reps, len(v)))].mean(1)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def report(args) -> None:
+    import numpy as np
+
+    rows = [json.loads(line) for line in rows_path(args).open()] if rows_path(args).exists() else []
+    by: dict = {}
+    for r in rows:
+        if r["row"] is not None:
+            by.setdefault((r["kind"], str(r["ratio"])), {}).setdefault(r["strategy"], {})[r["q"]] = r["row"]
+    table, out_rows = [], []
+    for kind, ratio in conditions(args):
+        got = by.get((kind, str(ratio)), {})
+        qs = sorted(set.intersection(*(set(got.get(s, {})) for s in STRATEGIES))) if got else []
+        if not qs:
+            continue
+        em = {s: np.array([0.0 if got[s][q]["rejected"] else got[s][q]["em"] for q in qs]) for s in STRATEGIES}
+        rej = {s: np.array([float(got[s][q]["rejected"]) for q in qs]) for s in STRATEGIES}
+        mal = {s: np.array([float(got[s][q]["malformed"]) for q in qs]) for s in STRATEGIES}
+        d_em, d_rej = em["chain_of_note"] - em["plain"], rej["chain_of_note"] - rej["plain"]
+        label = "unanswerable (answer removed)" if kind == "unanswerable" else f"{ratio:.1f} {kind}"
+
+        def ci(v):
+            lo, hi = bootstrap(v)
+            return f"{v.mean():.3f} [{lo:.2f}, {hi:.2f}]"
+
+        table.append([label, len(qs), ci(em["plain"]), ci(em["chain_of_note"]), ci(d_em), ci(rej["plain"]),
+                      ci(rej["chain_of_note"]), ci(d_rej), f"{mal['chain_of_note'].mean():.2f}"])
+        out_rows.append({"what": "noise_protocol", "kind": kind, "ratio": ratio, "n": len(qs),
+                         "em_plain": float(em["plain"].mean()), "em_con": float(em["chain_of_note"].mean()),
+                         "reject_plain": float(rej["plain"].mean()), "reject_con": float(rej["chain_of_note"].mean()),
+                         "em_diff_ci": bootstrap(d_em), "reject_diff_ci": bootstrap(d_rej),
+                         "malformed_con": float(mal["chain_of_note"].mean())})
+    meta = _common.meta({"bench": "bench_noise", "model": args.model, "weights": args.weights, "scan": args.scan,
+                         "questions": args.questions})
+    n_q = len({r["q"] for r in rows})
+    text = "\n".join([
+        f"## Chain-of-Note's noise protocol, as the paper runs it (bench_noise.py, {args.model})\n",
+        f"{args.model} ({args.weights}, greedy), NQ-open test questions over bench_retrieval's store; exactly 5 "
+        "passages; relevant = retrieved answer-bearing passages (never injected), noisy = the best-ranked "
+        "answer-free candidates (hard) or random Wikipedia leads (random); one question set for every condition "
+        f"(the questions among the first {args.scan} with 5 relevant and 5 noisy passages; {n_q} answered here). "
+        "Chain-of-Note is the paper's one pass (certrag.strategies.ChainOfNote default). Unanswerable: the same "
+        "questions answered from their top 5 answer-free candidates. Cells: mean [95% bootstrap interval]; "
+        "differences are Chain-of-Note minus plain, paired by question.\n",
+        _common.markdown_table(["noise", "n", "EM plain", "EM CoN", "EM CoN - plain", "reject plain",
+                                "reject CoN", "reject CoN - plain", "CoN malformed"], table),
+        "",
+        _common.footer(meta)])
+    print(text)
+    if not args.no_write and out_rows:
+        _common.write_rows(f"bench_noise-{args.model}", out_rows, meta)
+        _common.update_results_md(f"bench_noise-{args.model}", text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scan", type=int, default=400, help="NQ-open test questions scanned for qualifying ones")
+    p.add_argument("--questions", type=int, default=40, help="qualifying questions answered (at most)")
+    p.add_argument("--ratios", default="0,0.2,0.4,0.6,0.8,1.0")
+    p.add_argument("--random-ratios", default="0.6,1.0", help="ratios also run with random noise")
+    p.add_argument("--no-unanswerable", dest="unanswerable", action="store_false")
+    p.add_argument("--model", default=DEFAULT_READER)
+    p.add_argument("--weights", default="q8", choices=["q8", "float32"])
+    p.add_argument("--workers", type=int, default=1, help="processes (run each with --shard i)")
+    p.add_argument("--shard", type=int, default=None)
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args()
+    if not args.report_only:
+        run(args)
+    if args.shard is None or args.report_only:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
