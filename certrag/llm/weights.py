@@ -287,7 +287,10 @@ def convert_gguf(gguf_path: str | os.PathLike, target: str | os.PathLike, *, pro
         staging.mkdir()
         save_file(out, str(staging / "weights.safetensors"), metadata={"format": "q8", "group": "32"})
         tokenizer.save_pretrained(str(staging))
-        meta = {"cache_version": CACHE_VERSION, "source": gguf_path.name, **asdict(config)}
+        # model_type: transformers reads it beside the tokenizer; without it a local folder's tokenizer is taken
+        # for a Mistral one and every load warns of an "incorrect regex pattern"
+        meta = {"cache_version": CACHE_VERSION, "source": gguf_path.name, "model_type": config.architecture,
+                **asdict(config)}
         (staging / "config.json").write_text(json.dumps(meta, indent=1))
         return publish_folder(staging, target, replace=True)
 
