@@ -266,9 +266,9 @@ def main() -> None:
         verdict(),
         (f"{args.model} in {args.weights}, greedy; NQ-open test questions, store of bench_retrieval.py. Every "
          "strategy's prompt offers 'unknown' and every strategy counts it as a rejection by the same rule "
-         "(certrag.strategies.is_unknown). Chain-of-Note runs per passage: a batched one-line note per passage, "
-         "each ANSWERS / CONTEXT note held to its passage (check_note), the answer from the passages not noted "
-         "irrelevant, and when every passage is irrelevant one closed-book call that may say 'unknown'. Noise "
+         "(certrag.strategies.is_unknown). Chain-of-Note is the strategy's default: the paper's one pass (a note on "
+         "each passage in order, then the answer or 'unknown'; before session 16 the default was per passage, "
+         "with check_note). Noise "
          "protocol: exactly 5 passages, noisy = floor(5 r + 1/2) (r = 0.5: 2 relevant + 3 noisy), relevant = the "
          "gold passage and answer-bearing passages of a 100-deep dense pool, noisy = the highest-reranked "
          "answer-free candidates; 'eligible of asked' counts the questions that have enough of each. Costs use "
