@@ -269,9 +269,10 @@ def main() -> None:
          "(certrag.strategies.is_unknown). Chain-of-Note is the strategy's default: the paper's one pass (a note on "
          "each passage in order, then the answer or 'unknown'; before session 16 the default was per passage, "
          "with check_note). Noise "
-         "protocol: exactly 5 passages, noisy = floor(5 r + 1/2) (r = 0.5: 2 relevant + 3 noisy), relevant = the "
-         "gold passage and answer-bearing passages of a 100-deep dense pool, noisy = the highest-reranked "
-         "answer-free candidates; 'eligible of asked' counts the questions that have enough of each. Costs use "
+         "protocol: exactly 5 passages, noisy = floor(5 r + 1/2) (r = 0.5: 2 relevant + 3 noisy), relevant = "
+         "retrieved answer-bearing passages of a 100-deep dense pool (none injected), noisy = the highest-reranked "
+         "answer-free candidates; a question qualifies with 5 of each (one set for every ratio; bench_noise.py runs "
+         "the full protocol); 'eligible of asked' counts them. Costs use "
          "certrag's placeholder price table (0.10 / 0.40 per million input / output tokens), so only ratios between "
          "strategies mean anything. p50 s = per answer, two workers on two cores, one torch thread each.\n"),
         markdown(summaries),
