@@ -162,8 +162,9 @@ def chain_of_note_messages(question: str, passages: list[Passage], qtype: str = 
             f"Before answering, read the {n} passage{'s' if n != 1 else ''} one by one. For each passage, in order, "
             "write one line that starts with 'Passage' and its number, says whether the passage answers the "
             "question, gives useful context, or is irrelevant, and what it says about the question. After the last "
-            "passage, write a final line that starts with 'Answer:' and gives a short answer based on the relevant "
-            "passages; if no passage is relevant and you do not know the answer, write 'Answer: unknown'.")
+            "passage, write a final line that starts with 'Answer:' followed by the answer alone, as a short phrase "
+            "(a name, a date, a number), based on the relevant passages; if no passage is relevant and you do not "
+            "know the answer, write 'Answer: unknown'.")
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
