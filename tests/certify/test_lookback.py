@@ -324,3 +324,24 @@ def test_the_classifier_to_ship_is_chosen_on_train_and_round_trips(tmp_path):
     with pytest.raises(ValueError, match="kind"):
         FactualityClassifier(model="m", kind="attention", layers=0, heads=0, mean=np.zeros(1), scale=np.ones(1),
                              coef=np.ones(1), intercept=0.0, card={})
+
+
+def test_the_shipped_classifier_states_what_it_predicts_and_how_it_was_chosen():
+    """Every classifier in the package loads, names its label, and carries a card with its data, features, the
+    choice made on train, a remake command and -- for each held-out set -- its AUROC beside the free baseline's."""
+    from certrag.certify.factuality import LABEL, PACKAGE_DIR, FactualityClassifier, has_classifier
+
+    shipped = sorted(PACKAGE_DIR.glob("*.json"))
+    assert shipped and has_classifier("qwen2.5-coder-0.5b-instruct") and not has_classifier("smollm2-135m-instruct")
+    for path in shipped:
+        clf = FactualityClassifier.for_model(path.stem)
+        assert clf.model == path.stem and "correct" in LABEL
+        card = clf.card
+        for key in ("data", "label", "features", "chosen", "remake", "heldout", "cv_auroc_by_candidate"):
+            assert card.get(key), (path.name, key)
+        assert card["cv_auroc"] >= card["cv_auroc_by_candidate"]["logprob"]  # chosen on train, never below it
+        for name, h in card["heldout"].items():
+            assert 0.5 < h["auroc"] <= 1 and 0.5 < h["logprob_auroc"] <= 1 and h["n"] >= 100, name
+            assert h["gain"] == pytest.approx(h["auroc"] - h["logprob_auroc"], abs=2e-4)
+        n = clf.layers * clf.heads if clf.needs_lookback else 1
+        assert clf.mean.shape == clf.scale.shape == clf.coef.shape == (n,)
