@@ -15,6 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def timed(cmd: list[str], src: str | None) -> float:
     if src:
         env["PYTHONPATH"] = src
     t = time.perf_counter()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # from a neutral folder: `python -m` puts the working directory first on sys.path, so run from the repository
+    # every command would import this checkout's certrag whatever PYTHONPATH says
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tempfile.gettempdir())
     dt = time.perf_counter() - t
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed: {out.stderr[-500:]}")
