@@ -607,15 +607,19 @@ def test_an_answer_on_a_given_retrieval_reports_that_retrievals_time(store):
     assert a.trace["retrieve_ms"] == pytest.approx(stages) and a.trace["retrieve_ms"] > 0.1
 
 
-def test_a_new_store_certifies_out_of_the_box_with_the_shipped_nq_calibration(tmp_path, leads):
+@pytest.mark.parametrize("reranker", ["certrag-minilm-cross-encoder", "certrag-minilm-l3-cross-encoder"])
+def test_a_new_store_certifies_out_of_the_box_with_the_shipped_nq_calibration(tmp_path, leads, reranker):
+    """Every shipped reranker ships its NQ-open calibration (the 3-layer one had none: a store built with it had no
+    guard at all)."""
     from certrag.certify.conformal import DEFAULT_CALIBRATION_FILE
-    from certrag.rerank import PACKAGE_RERANKER
+    from certrag.rerank import PACKAGE_RERANKERS
 
-    assert (PACKAGE_RERANKER / DEFAULT_CALIBRATION_FILE).exists()  # shipped with the reranker
-    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8))
+    assert (PACKAGE_RERANKERS[reranker] / DEFAULT_CALIBRATION_FILE).exists()  # shipped with the reranker
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=8), reranker=reranker)
     with Engine.build(leads[:30], tmp_path / "s", config, progress=False) as engine:
         cal = engine.calibration
         assert cal is not None and "not on this store" in cal.source and "certrag calibrate" in cal.source
+        assert cal.reranker["name"] == reranker and cal.diagnostics.holds
         on_topic = engine.retrieve(leads[3]["metadata"]["description"])
         off_topic = engine.retrieve("What is the boiling point of mercury in degrees Celsius?")
         assert engine.support(on_topic)["supported"] and not engine.support(off_topic)["supported"]
