@@ -119,9 +119,9 @@ def main() -> None:
 
     def examples(split: str, n: int, kind: str, where: Path) -> dict:
         items = wiki_items(n) if kind == "wiki" else load_nq_open(split=split)[:n]
-        meta = {"model": args.model, "weights": args.weights, "split": split, "questions": len(items), "k": 3, "top_rerank": "fused",
-                "kind": kind, "question_hash": hashlib.sha256("\n".join(it.question for it in items).encode()
-                                                              ).hexdigest()[:16]}
+        asked = hashlib.sha256("\n".join(it.question for it in items).encode()).hexdigest()[:16]
+        meta = {"model": args.model, "weights": args.weights, "split": split, "questions": len(items), "k": 3,
+                "top_rerank": "fused", "kind": kind, "question_hash": asked}
         path = where / f"factuality-{kind}-{split}-{args.model}-{args.weights}-{n}.safetensors"
         if path.exists():
             data, got = load_examples(path)
@@ -232,7 +232,8 @@ def main() -> None:
         kt = finite(d[shipped.kind], d["mean_logprob"])
         return d["label"][kt], shipped.predict_vectors(d[shipped.kind][kt], d["mean_logprob"][kt])
 
-    shipped_row = held_out({"what": "factuality_auroc", "score": f"**shipped** (chosen on train): {shipped.card['chosen']}",
+    shipped_row = held_out({"what": "factuality_auroc",
+                            "score": f"**shipped** (chosen on train): {shipped.card['chosen']}",
                             "features": shipped.mean.size + (1 if shipped.stack is not None else 0),
                             "cv_auroc": shipped.card["cv_auroc"], "C": shipped.card.get("C"),
                             "train_n": int(len(train["label"]))}, predict_shipped)
@@ -250,7 +251,9 @@ def main() -> None:
         from certrag.certify.factuality import PACKAGE_DIR
 
         gains = {k: shipped_row[f"heldout_{k}"] - logprob[f"heldout_{k}"] for k in tests}
-        about = (f"{'stacked lookback ratios + mean log-probability' if shipped.stack is not None else 'calibrated mean log-probability'}; "
+        made_of = ("stacked lookback ratios + mean log-probability" if shipped.stack is not None
+                   else "calibrated mean log-probability")
+        about = (f"{made_of}; "
                  f"held-out AUROC {shipped_row['heldout_engine']:.3f} against the log-probability's "
                  f"{logprob['heldout_engine']:.3f} on the engine's NQ-open test answers")
         shipped = dataclasses.replace(shipped, card={
@@ -273,7 +276,8 @@ def main() -> None:
     best = max(rows, key=lambda r: r["heldout_engine"])
     text = "\n".join([
         "### P(correct) from lookback ratios and token probabilities (bench_factuality.py)\n",
-        f"**Verdict:** on the engine's own answers to held-out NQ-open test questions the best score is {best['score']} "
+        "**Verdict:** on the engine's own answers to held-out NQ-open test questions the best score is "
+        f"{best['score']} "
         f"(AUROC {best['heldout_engine']:.3f}; the log-probability baseline {logprob['heldout_engine']:.3f}); the "
         f"classifier chosen on train to ship scores {shipped_row['heldout_engine']:.3f} there"
         + (f" and {shipped_row['heldout_wiki']:.3f} against the log-probability's {logprob['heldout_wiki']:.3f} on "

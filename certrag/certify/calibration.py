@@ -34,8 +34,9 @@ class CalibrationItem:
 
 def load_calibration_items(data: object) -> list[CalibrationItem]:
     """A JSONL path (one object per line: question, answers (list) or answer (string), and/or source_id (the
-    answering document's id in the store) and source (its text); answers may be left out when a source is given), the literal 'nq-open:calibration' (the bundled NQ-open calibration split, with its gold passages), or
-    a list of CalibrationItem / dicts of the same fields."""
+    answering document's id in the store) and source (its text); answers may be left out when a source is given),
+    the literal 'nq-open:calibration' (the bundled NQ-open calibration split, with its gold passages), or a list of
+    CalibrationItem / dicts of the same fields."""
     if isinstance(data, str) and data.startswith("nq-open:"):
         from certrag.data.nq import SPLITS, load_nq_open
 

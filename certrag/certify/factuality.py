@@ -75,10 +75,6 @@ class FactualityClassifier:
         """Whether the answer must be generated recording lookback ratios."""
         return self.kind != "logprob"
 
-    @property
-    def needs_logprob(self) -> bool:
-        return self.kind == "logprob" or self.stack is not None
-
     def predict(self, features, mean_logprob: float = math.nan) -> float:
         """P(correct) from a LookbackFeatures (None for a "logprob" classifier) and the answer's mean token
         log-probability (used by "logprob" and stacked classifiers); NaN when an input it needs is missing (no

@@ -69,11 +69,13 @@ def noise_split(k: int, ratio: float) -> tuple[int, int]:
 NOISE_KINDS = ("hard", "random")
 
 
-def _answer_bearing(pool, answers) -> list:
+def _answer_bearing(pool, answers, n: int) -> list:
     from certrag.llm.prompts import Passage
 
     out, seen = [], set()
     for cid, text in zip(pool.chunk_ids, pool.texts):
+        if len(out) >= n:
+            break
         if text.strip() not in seen and answer_in_text(text, answers):
             out.append(Passage(text, chunk_id=int(cid)))
             seen.add(text.strip())
@@ -112,7 +114,7 @@ def noise_passages(item: QAItem, retrieval, k: int, ratio: float, relevant_pool=
     if noise not in NOISE_KINDS:
         raise ValueError(f"noise must be one of {NOISE_KINDS}; got {noise!r}")
     want_relevant, want_noisy = noise_split(k, ratio)
-    relevant = _answer_bearing(relevant_pool if relevant_pool is not None else retrieval, item.answers)
+    relevant = _answer_bearing(relevant_pool if relevant_pool is not None else retrieval, item.answers, k)
     noisy = _answer_free(item, retrieval, k, noise, leads)
     if len(relevant) < k or len(noisy) < k:
         return None

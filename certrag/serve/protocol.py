@@ -41,7 +41,7 @@ class RagOptions(Strict):
     """certrag's extension of a chat request to a RAG model (the openai client's extra_body={"certrag": {...}})."""
 
     certify: bool = False  # only chunks trusted under the store's conformal calibration (when it holds)
-    confidence: bool = False  # fill p_correct: P(the answer contains a correct answer) (local model with a classifier shipped)
+    confidence: bool = False  # fill p_correct: P(the answer contains a correct answer); a local model's classifier
 
 
 class ChatRequest(Strict):
@@ -92,7 +92,7 @@ class AnswerRequest(Strict):
     qtype: Literal["open", "multiple_choice", "yes_no"] = "open"
     options: list[Text] | None = None
     certify: bool = False  # only chunks trusted under the store's conformal calibration (when it holds)
-    confidence: bool = False  # fill p_correct: P(the answer contains a correct answer) (local model with a classifier shipped)
+    confidence: bool = False  # fill p_correct: P(the answer contains a correct answer); a local model's classifier
     max_new_tokens: int | None = Field(default=None, ge=1, le=4096)
     stream: bool = False
     timeout: float | None = Field(default=None, gt=0, le=86400, allow_inf_nan=False)
