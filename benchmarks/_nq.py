@@ -28,7 +28,9 @@ def nq_store(embedder, reranker):
         built = ("chunker", "segmenter", "embedder", "index")
         if all(getattr(engine.config, f) == getattr(config, f) for f in built) and \
                 len(engine.documents) == len(corpus):
-            return engine, corpus
+            # the per-call settings are today's, not the ones saved when the store was built (a store built before
+            # the selection default changed would otherwise keep the old one)
+            return engine.with_settings(retrieval=config.retrieval, selection=config.selection), corpus
         engine.close()
     return Engine.build(corpus, store, config, embedder=embedder, reranker=reranker, overwrite=True), corpus
 

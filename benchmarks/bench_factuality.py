@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import subprocess
 import sys
 import time
@@ -122,6 +123,10 @@ def main() -> None:
         asked = hashlib.sha256("\n".join(it.question for it in items).encode()).hexdigest()[:16]
         meta = {"model": args.model, "weights": args.weights, "split": split, "questions": len(items), "k": 3,
                 "top_rerank": "fused", "kind": kind, "question_hash": asked}
+        if kind != "protocol":  # the engine's answers depend on its selection: a changed default remakes them
+            from certrag.config import EngineConfig
+
+            meta["selection"] = json.dumps(dataclasses.asdict(EngineConfig().selection), sort_keys=True)
         path = where / f"factuality-{kind}-{split}-{args.model}-{args.weights}-{n}.safetensors"
         if path.exists():
             data, got = load_examples(path)

@@ -235,6 +235,25 @@ class Engine:
         other.factuality = self.factuality
         return other
 
+    def with_settings(self, *, retrieval=None, selection=None) -> "Engine":
+        """A read-only engine over this one's current store version with other per-call settings: retrieval
+        (RetrievalConfig) and selection (SelectionConfig), each None to keep this engine's. A store keeps the
+        settings it was built with, so a store made before a default changed keeps the old one until it is replaced
+        here; what the store holds (chunker, segmenter, embedder, index) is fixed at build."""
+        from certrag.config import RetrievalConfig, SelectionConfig
+
+        if retrieval is not None and not isinstance(retrieval, RetrievalConfig):
+            raise TypeError(f"retrieval must be a RetrievalConfig; got {type(retrieval).__name__}")
+        if selection is not None and not isinstance(selection, SelectionConfig):
+            raise TypeError(f"selection must be a SelectionConfig; got {type(selection).__name__}")
+        config = dataclasses.replace(self.config, retrieval=retrieval or self.config.retrieval,
+                                     selection=selection or self.config.selection)
+        other = Engine(self.path, self._data, config, read_only=True, stages=self.stages)
+        other._default_llm = self._default_llm
+        other._calibration = self._calibration
+        other.factuality = self.factuality
+        return other
+
     def close(self) -> None:
         if self._lock:
             self._lock.release()

@@ -663,3 +663,23 @@ def test_opening_a_store_loads_no_model_until_a_question_needs_one(store):
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True", "True"]
+
+
+def test_with_settings_changes_per_call_settings_and_leaves_the_store_and_the_original_alone(tmp_path, leads):
+    """A store saved with one selection keeps it when reopened; with_settings gives a read-only engine over the
+    same data that selects as asked (oracle: the selector's own count), while the original still uses its own."""
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=10, rerank=False),
+                          selection=SelectionConfig(method="topk", k=2))
+    Engine.build(leads[:30], tmp_path / "s", config, progress=False).close()
+    questions = [d["metadata"]["description"] or d["id"][5:] for d in leads[:6]]
+    with Engine.open(tmp_path / "s", read_only=True) as engine:
+        assert engine.config.selection.k == 2
+        other = engine.with_settings(selection=SelectionConfig(method="topk", k=4),
+                                     retrieval=RetrievalConfig(candidates=6, rerank=False))
+        assert other.read_only and other.config.chunker == engine.config.chunker
+        for a, b in zip(engine.retrieve_batch(questions), other.retrieve_batch(questions)):
+            assert a.selected == 2 and b.selected == 4
+            assert len(a.chunk_ids) == 10 and len(b.chunk_ids) == 6
+            assert list(b.chunk_ids[:4]) == list(a.chunk_ids[:4])  # the same index, ranked the same way
+        with pytest.raises(TypeError, match="selection"):
+            engine.with_settings(selection={"method": "topk"})
