@@ -15,13 +15,31 @@ def distance(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32], kind: str, 
              ) -> npt.NDArray[np.float32]:
     """Row-wise dot or squared L2 with the kernel of one SIMD level (for tests)."""
 
-def q8_matmul(x: npt.NDArray[np.float32], q: npt.NDArray[np.int8], scales: npt.NDArray[np.float32],
-              out: npt.NDArray[np.float32] | None = None, num_threads: int = 1, level: str = "auto"
-              ) -> npt.NDArray[np.float32]: ...
 def q8_quantize(w: npt.NDArray[np.float32], num_threads: int = 1
                 ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]: ...
 def q8_dequantize(q: npt.NDArray[np.int8], scales: npt.NDArray[np.float32], num_threads: int = 1
                   ) -> npt.NDArray[np.float32]: ...
+
+class Q8Packed:
+    """q8 weights packed for the integer product (int8 activations per group of 32, exact int32 sums per group)."""
+
+    def __init__(self, q: npt.NDArray[np.int8], scales: npt.NDArray[np.float32], num_threads: int = 1) -> None: ...
+    @property
+    def shape(self) -> tuple[int, int]: ...
+    @property
+    def nbytes(self) -> int: ...
+    def matmul(self, x: npt.NDArray[np.float32], num_threads: int = 1, level: str = "auto"
+               ) -> npt.NDArray[np.float32]: ...
+    def rows(self, ids: npt.ArrayLike) -> npt.NDArray[np.float32]: ...
+    def unpack(self) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32]]: ...
+
+def q8_paths() -> list[str]: ...
+def decode_attention(q: npt.NDArray[np.float32], k_new: npt.NDArray[np.float32], v_new: npt.NDArray[np.float32],
+                     k_caches: list[npt.NDArray[np.float32]], v_caches: list[npt.NDArray[np.float32]], layer: int,
+                     lengths: list[int], spans: list[npt.NDArray[np.int64] | None], scale: float,
+                     num_threads: int = 1
+                     ) -> tuple[npt.NDArray[np.float32], list[npt.NDArray[np.float32] | None]]:
+    """One decode step's grouped-query attention for a batch of sequences, each over its own cache."""
 
 class PairScorer:
     """SAGE's segmentation head, fused: p(same chunk) of every adjacent pair of sentence embeddings."""

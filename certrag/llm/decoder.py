@@ -7,9 +7,10 @@ attention runs per sequence over that sequence's own cache. So a sequence's logi
 decoded beside (tests/llm/test_decode_engine.py checks tokens and logits bit for bit). The float32 format's products
 go through torch's GEMM, which promises no such thing: it is the quality reference, not the served path.
 
-Attention at decode is computed explicitly (scores, softmax, weights times values) rather than by a fused SDPA
-call, so the lookback recorder reads the very weights the output is made from: recording adds one small product per
-layer (the weights times a span-indicator matrix) and changes no token.
+Attention at decode is one native call per layer for the whole batch (certrag._core.decode_attention: scores,
+softmax, weights times values, per sequence over its own cache), so the lookback recorder reads the very weights
+the output is made from: a recording row's weights are summed over its spans inside the same call, which changes no
+token and costs a pass over the weights.
 """
 
 from __future__ import annotations
@@ -52,16 +53,11 @@ class Spans:
     chunks: list[tuple[int, int]]
     masses: list[np.ndarray] = field(default_factory=list)
 
-    def indicator(self, length: int):
-        """(length, 2 + n_chunks) float32: column s is 1 on the positions of span s at this cache length."""
-        import torch
-
-        ind = torch.zeros(length, 2 + len(self.chunks))
-        ind[:self.prompt_len, 0] = 1
-        ind[self.prompt_len:length, 1] = 1
-        for i, (a, b) in enumerate(self.chunks):
-            ind[a:b, 2 + i] = 1
-        return ind
+    def bounds(self, length: int) -> np.ndarray:
+        """int64 (2 + n_chunks, 2): span s covers positions [begin, end) at this cache length (the prompt, the new
+        tokens, each chunk)."""
+        rows = [(0, self.prompt_len), (self.prompt_len, length)] + [(a, b) for a, b in self.chunks]
+        return np.asarray(rows, dtype=np.int64).reshape(-1, 2)
 
 
 class Decoder:
@@ -169,34 +165,35 @@ class Decoder:
     def decode(self, caches: list[KVCache], ids: list[int], spans: list[Spans | None]):
         """One step for a batch: sequence r's token ids[r] goes in at position caches[r].length. Returns float32
         logits (B, vocab). For a row with spans, the step's span masses are appended to spans[r].masses."""
+        from certrag import _core
+
         torch = self._torch
         c = self.c
         positions = torch.tensor([cache.length for cache in caches])
         if any(cache.length >= cache.capacity for cache in caches):
             raise ValueError("a sequence's cache is full")
         x = self.w.embed.rows(ids)
-        group = c.heads // c.kv_heads
         scale = 1.0 / math.sqrt(c.head_dim)
         lengths = [cache.length + 1 for cache in caches]
-        indicators = [s.indicator(n) if s is not None else None for s, n in zip(spans, lengths)]
+        k_caches = [cache.k.numpy() for cache in caches]
+        v_caches = [cache.v.numpy() for cache in caches]
+        bounds = [s.bounds(n) if s is not None else None for s, n in zip(spans, lengths)]
         step_masses = [[] if s is not None else None for s in spans]
         for i, layer in enumerate(self.w.layers):
             h = self._rms(x, layer.attn_norm).contiguous()
             q, k, v = self._qkv(layer, h, positions)
-            outs = []
-            for r, cache in enumerate(caches):
-                n = lengths[r]
-                cache.k[i, :, n - 1] = k[r]
-                cache.v[i, :, n - 1] = v[r]
-                qr = q[r].reshape(c.kv_heads, group, c.head_dim) * scale
-                w = torch.softmax(torch.matmul(qr, cache.k[i, :, :n].transpose(-1, -2)), dim=-1)  # (kv, g, n)
-                outs.append(torch.matmul(w, cache.v[i, :, :n]).reshape(c.heads * c.head_dim))
-                if indicators[r] is not None:
-                    step_masses[r].append(torch.matmul(w.reshape(c.heads, n), indicators[r]))
-            x = x + layer.o(torch.stack(outs), self.num_threads)
+            # every sequence's attention over its own cache in one native call (which also writes the new key and
+            # value, and sums the recording rows' weights over their spans)
+            out, masses = _core.decode_attention(
+                q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(), k_caches, v_caches, i,
+                lengths, bounds, scale, self.num_threads)
+            for r, m in enumerate(masses):
+                if m is not None:
+                    step_masses[r].append(m)
+            x = x + layer.o(torch.from_numpy(out), self.num_threads)
             x = self._mlp(layer, x)
         for r, cache in enumerate(caches):
             cache.length = lengths[r]
             if step_masses[r] is not None:
-                spans[r].masses.append(torch.stack(step_masses[r]).numpy())
+                spans[r].masses.append(np.stack(step_masses[r]))
         return self.logits(x)

@@ -15,7 +15,9 @@
 #include "certrag/distance.h"
 #include "certrag/hnsw.h"
 #include "certrag/pair_scorer.h"
-#include "certrag/q8_matmul.h"
+#include "certrag/q8.h"
+#include "certrag/q8_packed.h"
+#include "certrag/decode_attention.h"
 
 namespace py = pybind11;
 using certrag::HnswIndex;
@@ -135,6 +137,7 @@ PYBIND11_MODULE(_core, m) {
     info["simd_compiled"] = certrag::simd_levels_compiled();
     info["simd_active"] = certrag::simd_level_name(certrag::distance_kernels().level);
     info["bfloat16_pair_scorer"] = certrag::cpu_supports_bf16();
+    info["q8_kernel"] = certrag::q8_path_name(certrag::q8_packed_path());
     info["threads"] = "std::thread";
     info["hardware_concurrency"] = std::thread::hardware_concurrency();
 #ifdef NDEBUG
@@ -169,41 +172,6 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("a"), py::arg("b"), py::arg("kind"), py::arg("level"),
       "Row-wise dot or squared L2 with the kernel of one SIMD level (for tests).");
-
-  m.def(
-      "q8_matmul",
-      [](const py::array& x, const py::array& q, const py::array& scales, py::object out, int num_threads,
-         const std::string& level) {
-        std::size_t n = 0, k = 0;
-        check_q8_weights(q, scales, n, k);
-        const std::size_t rows = check_matrix(x, "x", k);
-        FloatArray y;
-        if (out.is_none()) {
-          y = FloatArray({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(n)});
-        } else {
-          y = out.cast<FloatArray>();
-          if (!py::isinstance<FloatArray>(out) || check_matrix(y, "out", n) != rows)
-            throw py::value_error("out must be a C-contiguous float32 array of shape (" + std::to_string(rows) +
-                                  ", " + std::to_string(n) + ")");
-          if (y.data() == x.data()) throw py::value_error("out must not be x");
-        }
-        if (num_threads < 1) throw py::value_error("num_threads must be at least 1; got " + std::to_string(num_threads));
-        const auto lv = parse_level(level);
-        if (!certrag::cpu_supports(lv)) throw py::value_error("this CPU does not support " + level);
-        const float* px = static_cast<const float*>(x.data());
-        const auto* pq = static_cast<const std::int8_t*>(q.data());
-        const float* ps = static_cast<const float*>(scales.data());
-        float* py_ = y.mutable_data();
-        {
-          py::gil_scoped_release release;
-          certrag::q8_matmul_at(lv, rows, n, k, px, pq, ps, py_, num_threads);
-        }
-        return y;
-      },
-      py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("out") = py::none(), py::arg("num_threads") = 1,
-      py::arg("level") = "auto",
-      "x (m, k) float32 times W^T for W = q (n, k) int8 with one float32 scale per row and 32 columns: (m, n). "
-      "Each output element is computed the same way whatever m and num_threads are (batch invariant).");
 
   m.def(
       "q8_quantize",
@@ -244,6 +212,155 @@ PYBIND11_MODULE(_core, m) {
         return w;
       },
       py::arg("q"), py::arg("scales"), py::arg("num_threads") = 1, "q8_quantize's inverse: float32 (n, k).");
+
+  py::class_<certrag::Q8Packed>(m, "Q8Packed",
+                                "q8 weights packed for the integer product (int8 activations per group of 32 times "
+                                "the int8 weights, exact int32 sums per group): the decoder's matrix product.")
+      .def(py::init([](const py::array& q, const py::array& scales, int num_threads) {
+             std::size_t n = 0, k = 0;
+             check_q8_weights(q, scales, n, k);
+             if (num_threads < 1)
+               throw py::value_error("num_threads must be at least 1; got " + std::to_string(num_threads));
+             const auto* pq = static_cast<const std::int8_t*>(q.data());
+             const float* ps = static_cast<const float*>(scales.data());
+             py::gil_scoped_release release;
+             return certrag::q8_pack(n, k, pq, ps, num_threads);
+           }),
+           py::arg("q"), py::arg("scales"), py::arg("num_threads") = 1)
+      .def_property_readonly("shape", [](const certrag::Q8Packed& w) { return py::make_tuple(w.n, w.k); })
+      .def_property_readonly("nbytes", &certrag::Q8Packed::nbytes)
+      .def(
+          "rows",
+          [](const certrag::Q8Packed& w, const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& idx) {
+            if (idx.ndim() != 1) throw py::value_error("ids must be one-dimensional; got shape " + shape_text(idx));
+            const auto count = static_cast<std::size_t>(idx.shape(0));
+            FloatArray out({static_cast<py::ssize_t>(count), static_cast<py::ssize_t>(w.k)});
+            try {
+              certrag::q8_packed_rows(w, idx.data(), count, out.mutable_data());
+            } catch (const std::out_of_range& e) {
+              throw py::index_error(e.what());
+            }
+            return out;
+          },
+          py::arg("ids"), "Rows ids of W de-quantised: float32 (len(ids), k).")
+      .def(
+          "unpack",
+          [](const certrag::Q8Packed& w) {
+            Int8Array q({static_cast<py::ssize_t>(w.n), static_cast<py::ssize_t>(w.k)});
+            FloatArray scales({static_cast<py::ssize_t>(w.n), static_cast<py::ssize_t>(w.k / certrag::kQ8Group)});
+            certrag::q8_unpack(w, q.mutable_data(), scales.mutable_data());
+            return py::make_tuple(q, scales);
+          },
+          "The weights in their q8 form: (q int8 (n, k), scales float32 (n, k / 32)).")
+      .def(
+          "matmul",
+          [](const certrag::Q8Packed& w, const py::array& x, int num_threads, const std::string& level) {
+            const std::size_t rows = check_matrix(x, "x", w.k);
+            if (num_threads < 1)
+              throw py::value_error("num_threads must be at least 1; got " + std::to_string(num_threads));
+            certrag::Q8Path path;
+            if (level == "auto") path = certrag::q8_packed_path();
+            else if (level == "vnni") path = certrag::Q8Path::vnni;
+            else if (level == "avx2") path = certrag::Q8Path::avx2;
+            else if (level == "scalar") path = certrag::Q8Path::scalar;
+            else throw py::value_error("level must be 'auto', 'vnni', 'avx2' or 'scalar'; got '" + level + "'");
+            if (!certrag::q8_path_supported(path)) throw py::value_error("this CPU does not support " + level);
+            FloatArray y({static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(w.n)});
+            const float* px = static_cast<const float*>(x.data());
+            float* py_ = y.mutable_data();
+            {
+              py::gil_scoped_release release;
+              certrag::q8_packed_matmul_at(path, rows, px, w, py_, num_threads);
+            }
+            return y;
+          },
+          py::arg("x"), py::arg("num_threads") = 1, py::arg("level") = "auto",
+          "x (m, k) float32 times W^T: (m, n). Each output element is computed the same way whatever m and "
+          "num_threads are, and the same at every level (batch invariant, bit-exact across levels).");
+  m.def(
+      "decode_attention",
+      [](const py::array& q, const py::array& k_new, const py::array& v_new, const py::list& k_caches,
+         const py::list& v_caches, std::size_t layer, const std::vector<std::size_t>& lengths, const py::list& spans,
+         float scale, int num_threads) {
+        auto fail = [](const std::string& what) { throw py::value_error(what); };
+        if (!py::isinstance<FloatArray>(q) || !(q.flags() & py::array::c_style) || q.ndim() != 3)
+          fail("q must be a C-contiguous float32 array (batch, heads, head_dim); got shape " + shape_text(q));
+        const std::size_t B = q.shape(0), H = q.shape(1), D = q.shape(2);
+        if (lengths.size() != B || py::len(k_caches) != B || py::len(v_caches) != B || py::len(spans) != B)
+          fail("k_caches, v_caches, lengths and spans must have one entry per row of q (" + std::to_string(B) + ")");
+        std::size_t KV = 0, layers = 0;
+        std::vector<certrag::AttentionRow> rows(B);
+        std::vector<py::array> keep;
+        py::list masses;
+        for (std::size_t b = 0; b < B; ++b) {
+          for (int which = 0; which < 2; ++which) {
+            py::array c = which == 0 ? k_caches[b].cast<py::array>() : v_caches[b].cast<py::array>();
+            if (!py::isinstance<FloatArray>(c) || !(c.flags() & py::array::c_style) || !c.writeable() || c.ndim() != 4)
+              fail("each cache must be a writable C-contiguous float32 array (layers, kv_heads, capacity, head_dim); "
+                   "got shape " + shape_text(c));
+            if (b == 0 && which == 0) layers = c.shape(0), KV = c.shape(1);
+            const std::size_t cap = c.shape(2);
+            if (static_cast<std::size_t>(c.shape(0)) != layers || static_cast<std::size_t>(c.shape(1)) != KV ||
+                static_cast<std::size_t>(c.shape(3)) != D || (which == 1 && cap != rows[b].capacity))
+              fail("every cache must have the first's layers and kv_heads, head_dim " + std::to_string(D) +
+                   ", and a row's values the shape of its keys; got " + shape_text(c));
+            if (layer >= layers)
+              fail("layer " + std::to_string(layer) + " is outside [0, " + std::to_string(layers) + ")");
+            rows[b].capacity = cap;
+            float* base = static_cast<float*>(c.mutable_data()) + layer * KV * cap * D;
+            (which == 0 ? rows[b].k : rows[b].v) = base;
+            keep.push_back(c);
+          }
+          if (lengths[b] == 0 || lengths[b] > rows[b].capacity)
+            fail("lengths must be in [1, the row's capacity " + std::to_string(rows[b].capacity) + "]; got " +
+                 std::to_string(lengths[b]));
+          rows[b].length = lengths[b];
+          if (spans[b].is_none()) {
+            masses.append(py::none());
+            continue;
+          }
+          auto sp = spans[b].cast<py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>>();
+          if (sp.ndim() != 2 || sp.shape(1) != 2) fail("spans must be None or int64 (n, 2); got " + shape_text(sp));
+          FloatArray m({static_cast<py::ssize_t>(H), static_cast<py::ssize_t>(sp.shape(0))});
+          rows[b].spans = sp.data();
+          rows[b].n_spans = sp.shape(0);
+          rows[b].masses = m.mutable_data();
+          keep.push_back(sp);
+          masses.append(m);
+        }
+        if (KV == 0 || H % KV != 0) fail("heads must be a multiple of the caches' kv_heads");
+        for (const py::array* a : {&k_new, &v_new})
+          if (!py::isinstance<FloatArray>(*a) || !(a->flags() & py::array::c_style) || a->ndim() != 3 ||
+              static_cast<std::size_t>(a->shape(0)) != B || static_cast<std::size_t>(a->shape(1)) != KV ||
+              static_cast<std::size_t>(a->shape(2)) != D)
+            fail("k_new and v_new must be C-contiguous float32 (" + std::to_string(B) + ", " + std::to_string(KV) +
+                 ", " + std::to_string(D) + "); got " + shape_text(*a));
+        FloatArray out({static_cast<py::ssize_t>(B), static_cast<py::ssize_t>(H * D)});
+        const certrag::AttentionShape shape{H, KV, D};
+        const float* pq = static_cast<const float*>(q.data());
+        const float* pk = static_cast<const float*>(k_new.data());
+        const float* pv = static_cast<const float*>(v_new.data());
+        float* po = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          certrag::decode_attention(shape, B, pq, pk, pv, rows.data(), scale, po, num_threads);
+        }
+        return py::make_tuple(out, masses);
+      },
+      py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_caches"), py::arg("v_caches"), py::arg("layer"),
+      py::arg("lengths"), py::arg("spans"), py::arg("scale"), py::arg("num_threads") = 1,
+      "One decode step's grouped-query attention for a batch of sequences, each over its own cache: writes row b's "
+      "new key and value at position lengths[b] - 1 of layer `layer`, then returns (out (B, heads * head_dim), "
+      "masses): masses[b] is None or float32 (heads, n) with the attention weights summed over spans[b]'s [begin, "
+      "end) position ranges.");
+  m.def(
+      "q8_paths", [] {
+        py::list out;
+        for (auto p : {certrag::Q8Path::scalar, certrag::Q8Path::avx2, certrag::Q8Path::vnni})
+          if (certrag::q8_path_supported(p)) out.append(certrag::q8_path_name(p));
+        return out;
+      },
+      "The packed q8 kernels this CPU runs (Q8Packed.matmul's levels besides 'auto').");
 
   py::class_<certrag::PairScorer>(m, "PairScorer")
       .def(py::init([](const py::array& w1, const py::array& b1, const py::array& w2, float b2,

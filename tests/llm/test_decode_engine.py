@@ -13,51 +13,160 @@ from certrag.llm.decoder import Decoder, KVCache  # noqa: E402
 from certrag.llm.engine import DecodeEngine, Request  # noqa: E402
 from certrag.llm.weights import from_transformers  # noqa: E402
 
-LEVELS = [lv for lv in ("scalar", "avx2", "avx512") if lv in _core.build_info()["simd_compiled"]]
-
-
-@pytest.mark.parametrize("shape", [(1, 7, 64), (3, 33, 96), (9, 17, 32), (13, 65, 160)])
-@pytest.mark.parametrize("level", LEVELS)
-def test_q8_matmul_equals_float64_products_and_does_not_depend_on_the_batch(shape, level):
-    m, n, k = shape
-    try:
-        _core.q8_matmul(np.zeros((1, 32), np.float32), np.zeros((1, 32), np.int8), np.zeros((1, 1), np.float32),
-                        level=level)
-    except ValueError:
-        pytest.skip(f"this CPU lacks {level}")
+def test_q8_quantize_is_symmetric_per_group_of_32_and_dequantize_inverts_it():
     rng = np.random.default_rng(7)
+    n, k = 33, 96
     w = rng.standard_normal((n, k)).astype(np.float32)
-    x = rng.standard_normal((m, k)).astype(np.float32)
+    w[0, :32] = 0
     q, s = _core.q8_quantize(w)
-    # the quantisation: one scale per 32 columns, max |w| / 127, values within half a step
-    assert s.shape == (n, k // 32) and q.dtype == np.int8
+    # one scale per 32 columns, max |w| / 127, values within half a step
+    assert s.shape == (n, k // 32) and q.dtype == np.int8 and s[0, 0] == 0
     np.testing.assert_allclose(s, np.abs(w.reshape(n, -1, 32)).max(-1) / 127, rtol=1e-6)
     dq = _core.q8_dequantize(q, s)
     assert np.all(np.abs(dq - w) <= np.repeat(s, 32, axis=1) / 2 + 1e-7)
-    y = _core.q8_matmul(x, q, s, level=level)
-    np.testing.assert_allclose(y, x.astype(np.float64) @ dq.astype(np.float64).T, rtol=1e-5, atol=1e-4)
-    # batch invariance: each row alone, in any company, on any thread count, gives the same bits
-    alone = np.concatenate([_core.q8_matmul(x[i:i + 1], q, s, level=level) for i in range(m)])
-    assert np.array_equal(y, alone)
-    perm = rng.permutation(m)
-    assert np.array_equal(_core.q8_matmul(x[perm], q, s, level=level), y[perm])
-    assert np.array_equal(_core.q8_matmul(x, q, s, level=level, num_threads=2), y)
+    np.testing.assert_array_equal(dq, q.astype(np.float32) * np.repeat(s, 32, axis=1))
 
 
 def test_q8_bad_input_names_the_argument():
-    q, s = _core.q8_quantize(np.ones((4, 64), np.float32))
-    with pytest.raises(ValueError, match="x must be"):
-        _core.q8_matmul(np.ones((2, 32), np.float32), q, s)
-    with pytest.raises(ValueError, match="scales must"):
-        _core.q8_matmul(np.ones((2, 64), np.float32), q, s[:, :1].copy())
-    with pytest.raises(ValueError, match="q must be"):
-        _core.q8_matmul(np.ones((2, 64), np.float32), q.astype(np.int16), s)
     with pytest.raises(ValueError, match="w must be"):
         _core.q8_quantize(np.ones((4, 33), np.float32))
     with pytest.raises(ValueError, match="finite"):
         _core.q8_quantize(np.full((1, 32), np.nan, np.float32))
+    q, s = _core.q8_quantize(np.ones((4, 64), np.float32))
+    with pytest.raises(ValueError, match="q must be"):
+        _core.Q8Packed(q.astype(np.int16), s)
+    with pytest.raises(ValueError, match="scales must"):
+        _core.q8_dequantize(q, s[:, :1].copy())
+
+
+def _packed_oracle(x, q, s):
+    """The integer product by hand in numpy: x quantised per row and group of 32 (scale max|x| / 127 in float32,
+    round half to even), exact integer sums per group, then per group in order acc = fma(sum, w_scale * x_scale,
+    acc) in float32 (the fma as a float64 product and sum -- exact for these operands -- rounded once)."""
+    m, k = x.shape
+    xg = x.reshape(m, -1, 32).astype(np.float32)
+    sx = np.abs(xg).max(-1) / np.float32(127)
+    inv = np.where(sx > 0, np.float32(1) / np.where(sx > 0, sx, 1), 0).astype(np.float32)
+    xq = np.clip(np.rint(xg * inv[:, :, None]), -127, 127).astype(np.int64)
+    isum = np.einsum("mgi,ngi->mng", xq, q.reshape(q.shape[0], -1, 32).astype(np.int64))  # exact
+    acc = np.zeros((m, q.shape[0]), np.float32)
+    for g in range(k // 32):
+        scale = (s[None, :, g] * sx[:, None, g]).astype(np.float32)
+        acc = (acc + isum[:, :, g].astype(np.float32).astype(np.float64) * scale).astype(np.float32)
+    return acc
+
+
+@pytest.mark.parametrize("shape", [(1, 7, 64), (3, 33, 96), (9, 17, 32), (13, 65, 160), (8, 48, 4864)])
+def test_packed_q8_matmul_is_the_integer_product_bit_identical_across_levels_and_batches(shape):
+    m, n, k = shape
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))).astype(np.float32)
+    x[0, :32] = 0  # an all-zero group
+    q, s = _core.q8_quantize(w)
+    packed = _core.Q8Packed(q, s)
+    assert packed.shape == (n, k) and packed.nbytes >= q.nbytes + s.nbytes
+    uq, us = packed.unpack()
+    assert np.array_equal(uq, q) and np.array_equal(us, s)
+    ids = [n - 1, 0, n // 2]
+    np.testing.assert_array_equal(packed.rows(ids), _core.q8_dequantize(q, s)[ids])
+    y = packed.matmul(x)
+    np.testing.assert_array_equal(y, _packed_oracle(x, q, s))
+    # close to the float product too: int8 activations cost about half a percent of its scale
+    ref = x.astype(np.float64) @ _core.q8_dequantize(q, s).astype(np.float64).T
+    assert np.abs(y - ref).max() <= 0.02 * np.abs(ref).max()
+    assert _core.build_info()["q8_kernel"] in _core.q8_paths()
+    for level in _core.q8_paths():
+        assert np.array_equal(packed.matmul(x, level=level), y), level
+        alone = np.concatenate([packed.matmul(x[i:i + 1], level=level) for i in range(m)])
+        assert np.array_equal(alone, y), level
+        perm = rng.permutation(m)
+        assert np.array_equal(packed.matmul(x[perm], level=level, num_threads=2), y[perm]), level
+
+
+def test_packed_q8_a_non_finite_activation_poisons_its_row_only_and_bad_input_names_the_argument():
+    rng = np.random.default_rng(3)
+    q, s = _core.q8_quantize(rng.standard_normal((20, 64)).astype(np.float32))
+    packed = _core.Q8Packed(q, s)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[1, 40] = np.nan
+    x[2, 3] = np.inf
+    y = packed.matmul(x)
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all() and np.isnan(y[2]).all()
+    with pytest.raises(ValueError, match="x must be"):
+        packed.matmul(np.ones((2, 32), np.float32))
+    with pytest.raises(ValueError, match="level"):
+        packed.matmul(np.ones((2, 64), np.float32), level="avx9")
     with pytest.raises(ValueError, match="num_threads"):
-        _core.q8_matmul(np.ones((2, 64), np.float32), q, s, num_threads=0)
+        packed.matmul(np.ones((2, 64), np.float32), num_threads=0)
+    with pytest.raises(ValueError, match="scales must"):
+        _core.Q8Packed(q, s[:, :1].copy())
+    with pytest.raises(IndexError, match="outside"):
+        packed.rows([20])
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])  # 24: not a multiple of 16, the portable path
+def test_decode_attention_equals_softmax_attention_writes_the_cache_and_sums_spans(head_dim):
+    """The native batched decode attention against float64 softmax(q k^T / sqrt(d)) v per sequence and head
+    (grouped-query), with its new key and value written first; recording rows' masses against sums of those
+    weights over the spans; and each row's bits the same alone as in the batch."""
+    rng = np.random.default_rng(5)
+    layers, heads, kv = 3, 6, 2
+    lengths, caps = [1, 17, 40, 5], [40, 64, 40, 7]  # each sequence's cache has its own capacity
+    B = len(lengths)
+    ks = [rng.standard_normal((layers, kv, c, head_dim)).astype(np.float32) for c in caps]
+    vs = [rng.standard_normal((layers, kv, c, head_dim)).astype(np.float32) for c in caps]
+    q = rng.standard_normal((B, heads, head_dim)).astype(np.float32)
+    k_new = rng.standard_normal((B, kv, head_dim)).astype(np.float32)
+    v_new = rng.standard_normal((B, kv, head_dim)).astype(np.float32)
+    spans = [None, np.array([[0, 10], [10, 17], [3, 6], [15, 99]]), None, np.array([[0, 2], [2, 5]])]
+    layer, scale = 1, 1 / np.sqrt(head_dim)
+    before = [k.copy() for k in ks]
+    out, masses = _core.decode_attention(q, k_new, v_new, ks, vs, layer, lengths, spans, scale)
+    group = heads // kv
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(ks[b][layer, :, n - 1], k_new[b])
+        np.testing.assert_array_equal(vs[b][layer, :, n - 1], v_new[b])
+        untouched = np.ones(ks[b].shape, bool)
+        untouched[layer, :, n - 1] = False
+        np.testing.assert_array_equal(ks[b][untouched], before[b][untouched])
+        for head in range(heads):
+            K = ks[b][layer, head // group, :n].astype(np.float64)
+            V = vs[b][layer, head // group, :n].astype(np.float64)
+            sc = K @ q[b, head].astype(np.float64) * scale
+            wts = np.exp(sc - sc.max())
+            wts /= wts.sum()
+            np.testing.assert_allclose(out[b, head * head_dim:(head + 1) * head_dim], wts @ V, rtol=1e-5, atol=1e-5)
+            if spans[b] is None:
+                assert masses[b] is None
+            else:
+                want = [wts[max(0, a):min(n, e)].sum() for a, e in spans[b]]
+                np.testing.assert_allclose(masses[b][head], want, rtol=1e-5, atol=1e-6)
+    # batch invariance: row 2 alone (its cache as the batch left it, the same new key written again)
+    alone, _ = _core.decode_attention(q[2:3], k_new[2:3], v_new[2:3], [ks[2]], [vs[2]], layer, lengths[2:3], [None],
+                                      scale)
+    assert np.array_equal(alone[0], out[2])
+    two, _ = _core.decode_attention(q, k_new, v_new, ks, vs, layer, lengths, spans, scale, num_threads=2)
+    assert np.array_equal(two, out)
+
+
+def test_decode_attention_bad_input_names_the_argument():
+    k = np.zeros((2, 1, 8, 16), np.float32)
+    q, kn = np.zeros((1, 2, 16), np.float32), np.zeros((1, 1, 16), np.float32)
+    with pytest.raises(ValueError, match="lengths must be"):
+        _core.decode_attention(q, kn, kn, [k], [k.copy()], 0, [9], [None], 0.25)
+    with pytest.raises(ValueError, match="layer 2"):
+        _core.decode_attention(q, kn, kn, [k], [k.copy()], 2, [3], [None], 0.25)
+    with pytest.raises(ValueError, match="one entry per row"):
+        _core.decode_attention(q, kn, kn, [k, k], [k.copy()], 0, [3], [None], 0.25)
+    with pytest.raises(ValueError, match="k_new and v_new"):
+        _core.decode_attention(q, kn[:, :, :8].copy(), kn, [k], [k.copy()], 0, [3], [None], 0.25)
+    with pytest.raises(ValueError, match="spans must be"):
+        _core.decode_attention(q, kn, kn, [k], [k.copy()], 0, [3], [np.zeros(3, np.int64)], 0.25)
+    with pytest.raises(ValueError, match="writable"):
+        ro = k.copy()
+        ro.setflags(write=False)
+        _core.decode_attention(q, kn, kn, [ro], [k.copy()], 0, [3], [None], 0.25)
 
 
 def _tiny(arch: str, seed: int = 0):
