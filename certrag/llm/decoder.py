@@ -105,7 +105,7 @@ class Decoder:
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
 
-    def _qkv(self, layer, h, positions):
+    def _qkv(self, layer, h, cos, sin):
         c = self.c
         qkv = layer.qkv(h, self.num_threads)
         if layer.qkv_bias is not None:
@@ -115,7 +115,6 @@ class Decoder:
         q = qkv[:, :nq].reshape(T, c.heads, c.head_dim)
         k = qkv[:, nq:nq + nk].reshape(T, c.kv_heads, c.head_dim)
         v = qkv[:, nq + nk:].reshape(T, c.kv_heads, c.head_dim)
-        cos, sin = self._cos_sin(positions)
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _mlp(self, layer, x):
@@ -145,9 +144,10 @@ class Decoder:
         group = c.heads // c.kv_heads
         # query t (absolute position start + t) sees keys 0 .. start + t
         mask = torch.ones(T, end, dtype=torch.bool).tril(diagonal=start)
+        cos, sin = self._cos_sin(positions)  # the rotation of every position, once for all layers
         for i, layer in enumerate(self.w.layers):
             h = self._rms(x, layer.attn_norm).contiguous()
-            q, k, v = self._qkv(layer, h, positions)
+            q, k, v = self._qkv(layer, h, cos, sin)
             cache.k[i, :, start:end] = k.transpose(0, 1)
             cache.v[i, :, start:end] = v.transpose(0, 1)
             # grouped-query attention over the cache as it is (no copy of the keys per query head)
@@ -179,9 +179,10 @@ class Decoder:
         v_caches = [cache.v.numpy() for cache in caches]
         bounds = [s.bounds(n) if s is not None else None for s, n in zip(spans, lengths)]
         step_masses = [[] if s is not None else None for s in spans]
+        cos, sin = self._cos_sin(positions)
         for i, layer in enumerate(self.w.layers):
             h = self._rms(x, layer.attn_norm).contiguous()
-            q, k, v = self._qkv(layer, h, positions)
+            q, k, v = self._qkv(layer, h, cos, sin)
             # every sequence's attention over its own cache in one native call (which also writes the new key and
             # value, and sums the recording rows' weights over their spans)
             out, masses = _core.decode_attention(
