@@ -118,11 +118,13 @@ def main() -> None:
             state["llm"] = LocalLLM(args.model, weights=args.weights)
         return state["llm"]
 
+    from certrag.llm.weights import ARITHMETIC
+
     def examples(split: str, n: int, kind: str, where: Path) -> dict:
         items = wiki_items(n) if kind == "wiki" else load_nq_open(split=split)[:n]
         asked = hashlib.sha256("\n".join(it.question for it in items).encode()).hexdigest()[:16]
         meta = {"model": args.model, "weights": args.weights, "split": split, "questions": len(items), "k": 3,
-                "top_rerank": "fused", "kind": kind, "question_hash": asked}
+                "top_rerank": "fused", "kind": kind, "question_hash": asked, "arithmetic": ARITHMETIC[args.weights]}
         if kind != "protocol":  # the engine's answers depend on its selection: a changed default remakes them
             from certrag.config import EngineConfig
 

@@ -34,6 +34,10 @@ from certrag.home import certrag_home
 log = logging.getLogger(__name__)
 
 FORMATS = ("q8", "float32")
+# How each format's products are computed; results made with other arithmetic (cached answers, features a classifier
+# was trained on) are not this format's.
+ARITHMETIC = {"q8": "int8 weights x int8 activations per group of 32, int32 group sums (Q8Packed)",
+              "float32": "float32 GEMM (torch)"}
 CACHE_VERSION = 1
 _MATRICES = ("qkv", "o", "gate_up", "down")
 
