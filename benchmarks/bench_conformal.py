@@ -11,7 +11,7 @@ lacking those documents returns them), the certification paper's case where m1 m
 
 For alpha in {0.05, 0.1, 0.2}: s_thres from the 533 calibration questions; on the 1,081 test questions the empirical
 coverage beside 1 - alpha, m1, m2, the mean trusted-set size and its context tokens. Then answers with the bundled
-reader (plain strategy) on the first --questions test questions, with the default selection (SAGE gradient) and with
+reader (plain strategy) on the first --questions test questions, with the default selection (EngineConfig().selection) and with
 the context filtered to the trusted set at alpha = 0.1: EM, F1, reject rate (no trusted chunk -> "unknown"), tokens.
 Reproduces the shape of the certification paper's retrieval-stage table (coverage and m1/m2 against 1 - alpha).
 
@@ -137,10 +137,11 @@ def main() -> None:
         s_thres = threshold(cal.best_correct(), 0.1)
         selector = EngineConfig().selection.make()
         max_k = EngineConfig().selection.max_k
-        conditions = {"default selection (gradient)": [], "conformal filter alpha=0.1": []}
+        default = f"default selection ({EngineConfig().selection.method})"
+        conditions = {default: [], "conformal filter alpha=0.1": []}
         for it, r in zip(splits["test"][: args.questions], results["test"][: args.questions]):
             sc = calibrated_scores(r.rerank_scores, r.dense_scores, "rerank logit")
-            n_sel = {"default selection (gradient)": cut(selector, r.rerank_scores, "logit"),
+            n_sel = {default: cut(selector, r.rerank_scores, "logit"),
                      "conformal filter alpha=0.1": min(int((sc >= s_thres).sum()), max_k)}
             for name, n in n_sel.items():
                 t = time.perf_counter()
