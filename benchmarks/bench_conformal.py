@@ -11,7 +11,7 @@ lacking those documents returns them), the certification paper's case where m1 m
 
 For alpha in {0.05, 0.1, 0.2}: s_thres from the 533 calibration questions; on the 1,081 test questions the empirical
 coverage beside 1 - alpha, m1, m2, the mean trusted-set size and its context tokens. Then answers with the bundled
-reader (plain strategy) on the first --questions test questions, with the default selection (EngineConfig().selection) and with
+reader (plain strategy) on the first --questions test questions, with the default selection (EngineConfig's) and with
 the context filtered to the trusted set at alpha = 0.1: EM, F1, reject rate (no trusted chunk -> "unknown"), tokens.
 Reproduces the shape of the certification paper's retrieval-stage table (coverage and m1/m2 against 1 - alpha).
 
