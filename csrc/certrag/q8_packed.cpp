@@ -307,7 +307,7 @@ Q8Packed q8_pack(std::size_t N, std::size_t K, const std::int8_t* q, const float
   parallel_for(N, num_threads, 64, [&](std::size_t n) {
     const std::size_t t = n / kQ8Tile, r = n % kQ8Tile;
     std::int8_t* wt = p.q.data() + t * kQ8Tile * K;
-    for (std::size_t k = 0; k < K; ++k) wt[(k / 4) * kBlock + r * 4 + k % 4] = q[n * K + k];
+    for (std::size_t k4 = 0; k4 < K / 4; ++k4) std::memcpy(wt + k4 * kBlock + r * 4, q + n * K + k4 * 4, 4);
     for (std::size_t g = 0; g < groups; ++g) p.scales[(t * groups + g) * kQ8Tile + r] = scales[n * groups + g];
   });
   return p;
