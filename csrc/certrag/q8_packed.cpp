@@ -70,8 +70,10 @@ __attribute__((target("avx512f,avx512bw"))) void quantise_group_avx512(const flo
   *scale = s;
   const __m512 iv = _mm512_set1_ps(inv);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
-  const __m512i qa = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), lo), hi), off);
-  const __m512i qb = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, iv)), lo), hi), off);
+  // nearest even under the default rounding mode, as std::nearbyint; then clamped and offset
+  const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), rb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
+  const __m512i qa = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(ra, lo), hi), off);
+  const __m512i qb = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(rb, lo), hi), off);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
 }
