@@ -85,6 +85,7 @@ certrag::Metric parse_metric(const std::string& name) {
 }
 
 using Int8Array = py::array_t<std::int8_t, py::array::c_style>;
+using Int64Ids = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
 
 // Requires a C-contiguous int8 array of shape (n, k); returns (n, k).
 std::pair<std::size_t, std::size_t> check_int8_matrix(const py::array& a, const char* name) {
@@ -231,7 +232,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("nbytes", &certrag::Q8Packed::nbytes)
       .def(
           "rows",
-          [](const certrag::Q8Packed& w, const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& idx) {
+          [](const certrag::Q8Packed& w, const Int64Ids& idx) {
             if (idx.ndim() != 1) throw py::value_error("ids must be one-dimensional; got shape " + shape_text(idx));
             const auto count = static_cast<std::size_t>(idx.shape(0));
             FloatArray out({static_cast<py::ssize_t>(count), static_cast<py::ssize_t>(w.k)});

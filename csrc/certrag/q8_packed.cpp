@@ -70,8 +70,10 @@ __attribute__((target("avx512f,avx512bw"))) void quantise_group_avx512(const flo
   *scale = s;
   const __m512 iv = _mm512_set1_ps(inv);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
-  const __m512i qa = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), lo), hi), off);
-  const __m512i qb = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, iv)), lo), hi), off);
+  // nearest even under the default rounding mode, as std::nearbyint; then clamped and offset
+  const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv)), rb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
+  const __m512i qa = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(ra, lo), hi), off);
+  const __m512i qb = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(rb, lo), hi), off);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(qb));
 }
@@ -307,7 +309,7 @@ Q8Packed q8_pack(std::size_t N, std::size_t K, const std::int8_t* q, const float
   parallel_for(N, num_threads, 64, [&](std::size_t n) {
     const std::size_t t = n / kQ8Tile, r = n % kQ8Tile;
     std::int8_t* wt = p.q.data() + t * kQ8Tile * K;
-    for (std::size_t k = 0; k < K; ++k) wt[(k / 4) * kBlock + r * 4 + k % 4] = q[n * K + k];
+    for (std::size_t k4 = 0; k4 < K / 4; ++k4) std::memcpy(wt + k4 * kBlock + r * 4, q + n * K + k4 * 4, 4);
     for (std::size_t g = 0; g < groups; ++g) p.scales[(t * groups + g) * kQ8Tile + r] = scales[n * groups + g];
   });
   return p;
