@@ -363,7 +363,10 @@ def q8_cache_dir(name: str, *, progress=None) -> Path:
     target = certrag_home() / "models" / f"{name}-q8"
     if (target / "config.json").exists() and (target / "weights.safetensors").exists():
         try:
-            if json.loads((target / "config.json").read_text()).get("cache_version") == CACHE_VERSION:
+            meta = json.loads((target / "config.json").read_text())
+            if meta.get("cache_version") == CACHE_VERSION:
+                if "model_type" not in meta and "architecture" in meta:
+                    _name_model_type(target, meta)
                 return target
         except (OSError, ValueError):
             pass
@@ -372,6 +375,18 @@ def q8_cache_dir(name: str, *, progress=None) -> Path:
     with model.gguf_file(target.parent) as gguf:
         convert_gguf(gguf, target, progress=progress)
     return target
+
+
+def _name_model_type(target: Path, meta: dict) -> None:
+    """Adds model_type to a cache converted before the field was written (without it transformers warns of an
+    "incorrect regex pattern" at every load); the weights are kept. Replaced whole, so a reader sees the old file or
+    the new one; a home that cannot be written keeps the warning."""
+    tmp = target / f"config.json.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({**meta, "model_type": meta["architecture"]}, indent=1))
+        os.replace(tmp, target / "config.json")
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def bundled_gguf_weights(name: str, fmt: str = "float32") -> DecoderWeights:

@@ -178,3 +178,25 @@ def test_a_prompt_past_the_context_is_refused_before_any_work(llm):
 
 
 MESSAGES_SHORT = [{"role": "user", "content": "Name a colour."}]
+
+
+def test_a_cache_converted_before_model_type_was_written_gets_it_without_reconverting(llm, tmp_path, monkeypatch):
+    """Caches made before the q8 config named its model_type made transformers warn of an "incorrect regex
+    pattern" at every load; opening one now adds the field in place and keeps the weights file as it is."""
+    import json
+    import shutil
+
+    from certrag.llm.weights import q8_cache_dir
+
+    home = tmp_path / "home"
+    shutil.copytree(q8_cache_dir(MODEL), home / "models" / f"{MODEL}-q8")
+    monkeypatch.setenv("CERTRAG_HOME", str(home))
+    folder = home / "models" / f"{MODEL}-q8"
+    meta = json.loads((folder / "config.json").read_text())
+    old = {k: v for k, v in meta.items() if k != "model_type"}
+    (folder / "config.json").write_text(json.dumps(old))
+    weights_mtime = (folder / "weights.safetensors").stat().st_mtime_ns
+    assert q8_cache_dir(MODEL) == folder
+    assert json.loads((folder / "config.json").read_text()) == {**old, "model_type": meta["architecture"]}
+    assert (folder / "weights.safetensors").stat().st_mtime_ns == weights_mtime
+    assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == []
