@@ -229,11 +229,7 @@ class Engine:
         are not seen by the other."""
         if stages.llm is None and self.stages.llm is not None:
             stages = stages.replace(llm=self.stages.llm)
-        other = Engine(self.path, self._data, self.config, read_only=True, stages=stages)
-        other._default_llm = self._default_llm
-        other._calibration = self._calibration
-        other.factuality = self.factuality
-        return other
+        return self._sibling(self.config, stages)
 
     def with_settings(self, *, retrieval=None, selection=None) -> "Engine":
         """A read-only engine over this one's current store version with other per-call settings: retrieval
@@ -248,7 +244,11 @@ class Engine:
             raise TypeError(f"selection must be a SelectionConfig; got {type(selection).__name__}")
         config = dataclasses.replace(self.config, retrieval=retrieval or self.config.retrieval,
                                      selection=selection or self.config.selection)
-        other = Engine(self.path, self._data, config, read_only=True, stages=self.stages)
+        return self._sibling(config, self.stages)
+
+    def _sibling(self, config: EngineConfig, stages: Stages) -> "Engine":
+        """A read-only engine sharing this one's store version, calibration, default model and classifier."""
+        other = Engine(self.path, self._data, config, read_only=True, stages=stages)
         other._default_llm = self._default_llm
         other._calibration = self._calibration
         other.factuality = self.factuality

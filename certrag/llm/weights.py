@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from certrag.atomic import publish_folder
+from certrag.atomic import publish_folder, write_file_atomic
 from certrag.home import certrag_home
 
 log = logging.getLogger(__name__)
@@ -381,12 +381,10 @@ def _name_model_type(target: Path, meta: dict) -> None:
     """Adds model_type to a cache converted before the field was written (without it transformers warns of an
     "incorrect regex pattern" at every load); the weights are kept. Replaced whole, so a reader sees the old file or
     the new one; a home that cannot be written keeps the warning."""
-    tmp = target / f"config.json.tmp-{os.getpid()}"
     try:
-        tmp.write_text(json.dumps({**meta, "model_type": meta["architecture"]}, indent=1))
-        os.replace(tmp, target / "config.json")
+        write_file_atomic(target / "config.json", json.dumps({**meta, "model_type": meta["architecture"]}, indent=1))
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def bundled_gguf_weights(name: str, fmt: str = "float32") -> DecoderWeights:
