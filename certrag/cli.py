@@ -655,8 +655,14 @@ def eval_cmd(store: Path, split: str, limit: int, strategies: tuple[str, ...], n
 @click.option("--hidden", default=256, show_default=True, help="Hidden units of the head.")
 @click.option("--lr", default=1e-3, show_default=True)
 @click.option("--seed", default=0, show_default=True)
+@click.option("--topic-fraction", default=0.25, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="Share of the negative pairs that are topic changes (a sentence of one document, then one of "
+                   "another) rather than paragraph breaks.")
+@click.option("--finetune-epochs", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Then train the embedder together with the head for this many epochs (SAGE trains both); the "
+                   "encoder is saved beside the head as <stem>.embedder/ and loads with it.")
 def train_segmenter_cmd(out: Path, sources: str, max_pairs: int, epochs: int, hidden: int, lr: float,
-                        seed: int) -> None:
+                        seed: int, topic_fraction: float, finetune_epochs: int) -> None:
     """Train SAGE's segmentation head on paragraph-segmented text and save it with its card."""
     from certrag.train.segmenter import train_segmenter
 
@@ -666,10 +672,14 @@ def train_segmenter_cmd(out: Path, sources: str, max_pairs: int, epochs: int, hi
     for option, value in (("--max-pairs", max_pairs), ("--epochs", epochs), ("--hidden", hidden)):
         if value < 1:
             raise click.BadParameter("must be at least 1", param_hint=option)
-    head = train_segmenter(out, sources=names, max_pairs=max_pairs, epochs=epochs, hidden=hidden, lr=lr, seed=seed)
+    head = train_segmenter(out, sources=names, max_pairs=max_pairs, epochs=epochs, hidden=hidden, lr=lr, seed=seed,
+                           topic_fraction=topic_fraction, finetune_epochs=finetune_epochs)
     held = head.card["held_out"]
+    figures = head.card["held_out_figures"]
     click.echo(f"saved {out}: held-out loss {held['loss']:.4f}, accuracy {held['accuracy']:.3f}, "
-               f"break F1 {held['break_f1']:.3f} on {held['n']} pairs")
+               f"break F1 {held['break_f1']:.3f} on {held['n']} pairs; threshold {head.card['threshold']:.2f} "
+               f"(chosen on training documents): in-order boundary F1 {figures['in_order']['break_f1']:.3f}, "
+               f"topic changes cut {figures['topic_changes']['cut_at_threshold']:.1%}")
 
 
 @main.command("train-factuality")

@@ -33,28 +33,30 @@ class SegmenterConfig:
     """Settings of SAGE's semantic segmenter.
 
     window_tokens: l, the size of the coarse sentence-complete windows scored independently.
-    threshold: split between two sentences where p(same chunk) < threshold.
+    threshold: split between two sentences where p(same chunk) < threshold; None (the default) takes the threshold
+        saved in the head's card, chosen on its training documents (0.5 for a head without one).
     min_tokens / max_tokens: bounds every chunk respects (max_tokens >= 2 * min_tokens, so that any oversized run
         can be cut into pieces that respect both; only a whole text shorter than min_tokens yields a smaller chunk).
         Chunks end at sentence boundaries whenever the bounds allow; where they do not (a sentence longer than
         max_tokens, or a short sentence wedged between long ones), a cut falls at a word boundary inside a sentence.
-    newline_is_break: treat every newline (not only blank lines) as a paragraph break when splitting sentences.
+    newline_is_break: treat every newline (not only blank lines) as a paragraph break when splitting sentences, as
+        SAGE splits text into paragraphs on '\n' (the default); False keeps only blank lines as breaks.
     paragraph_breaks: a paragraph break (a blank line; any newline with newline_is_break) is a cut point whatever
         the head says, and the weakest joint when sizes are enforced: a chunk never spans two paragraphs unless one
         of them is shorter than min_tokens (a heading, a one-line paragraph), which then joins its neighbour.
     """
 
     window_tokens: int = 256
-    threshold: float = 0.5
+    threshold: float | None = None
     min_tokens: int = 24
     max_tokens: int = 256
-    newline_is_break: bool = False
+    newline_is_break: bool = True
     paragraph_breaks: bool = True
 
     def __post_init__(self) -> None:
         if self.window_tokens < 1:
             raise ValueError(f"window_tokens must be at least 1; got {self.window_tokens}")
-        if not 0.0 <= self.threshold <= 1.0:
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1]; got {self.threshold}")
         if self.min_tokens < 1:
             raise ValueError(f"min_tokens must be at least 1; got {self.min_tokens}")
@@ -166,6 +168,31 @@ def _text_units(text: str, embedder, newline_is_break: bool, max_tokens: int) ->
     return _units(text, sentences, counts, max_tokens, embedder.counter)
 
 
+_SENTENCE_END = (".", "!", "?", '."', '?"', '!"')
+
+
+def _paragraph_joints(text: str, units: _Units) -> tuple[list[int], list[int]]:
+    """(cuts, headings): joints j (between units j and j + 1) where a paragraph ends. A heading or lead-in (a
+    one-unit paragraph with no sentence-final stop: "## Warranty", "Features:") belongs to the paragraph after it,
+    so its joint is in headings, not in cuts."""
+    para = np.asarray(units.paragraph)
+    cuts, headings = [], []
+    for j in np.flatnonzero(para[1:] != para[:-1]):
+        a, b = units.spans[j]
+        heading = (j == 0 or para[j - 1] != para[j]) and not text[a:b].rstrip().endswith(_SENTENCE_END)
+        (headings if heading else cuts).append(int(j))
+    return cuts, headings
+
+
+def _paragraph_groups(text: str, units: _Units, paragraph_breaks: bool) -> list[tuple[int, int]]:
+    """Runs of units [a, b) between paragraph cuts (the whole text as one run without paragraph_breaks)."""
+    n = len(units.spans)
+    if not paragraph_breaks or n == 0:
+        return [(0, n)] if n else []
+    starts = [0] + [j + 1 for j in _paragraph_joints(text, units)[0]]
+    return list(zip(starts, starts[1:] + [n]))
+
+
 def _make_chunk(text: str, start: int, end: int, counter) -> Chunk:
     while start < end and text[start].isspace():
         start += 1
@@ -252,9 +279,13 @@ class Segmenter:
         from certrag.embed import Embedder
         from certrag.segment.head import SegmenterHead
 
-        self.embedder = embedder if embedder is not None else Embedder.default()
         self.head = head if head is not None else SegmenterHead.default()
+        if embedder is None:
+            embedder = self.head.own_embedder() or Embedder.default()
+        self.embedder = embedder
         self.config = config or SegmenterConfig()
+        self.threshold = (self.config.threshold if self.config.threshold is not None
+                          else float(self.head.card.get("threshold", 0.5)))
         if self.head.dim != self.embedder.dim:
             raise ValueError(f"the head expects {self.head.dim}-d embeddings but the embedder gives "
                              f"{self.embedder.dim}-d ones")
@@ -298,22 +329,15 @@ class Segmenter:
         cfg = self.config
         strength = probs.astype(np.float64)
         window_starts = set(_windows(units.tokens, cfg.window_tokens))
-        cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < cfg.threshold or (i + 1) in window_starts]
+        cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < self.threshold or (i + 1) in window_starts]
         if cfg.paragraph_breaks:
-            para = np.asarray(units.paragraph)
-            joints = np.flatnonzero(para[1:] != para[:-1])
-            strength[joints] = -1.0  # weaker than any probability: merged across last, split at first
-            for j in joints:
-                # a heading or lead-in (a one-sentence paragraph with no sentence-final stop: "## Warranty",
-                # "Features:") belongs to the paragraph after it: no cut there, and stronger than any probability
-                a, b = units.spans[j]
-                heading = (j == 0 or para[j - 1] != para[j]) and not text[a:b].rstrip().endswith(
-                    (".", "!", "?", '."', '?"', '!"'))
-                if heading:
-                    strength[j] = 2.0
-                    cuts = [c for c in cuts if c != j + 1]
-                else:
-                    cuts.append(int(j) + 1)
+            paragraph_cuts, headings = _paragraph_joints(text, units)
+            for j in paragraph_cuts:
+                strength[j] = -1.0  # weaker than any probability: merged across last, split at first
+                cuts.append(j + 1)
+            for j in headings:  # a heading stays with what it heads: no cut, stronger than any probability
+                strength[j] = 2.0
+                cuts = [c for c in cuts if c != j + 1]
         cuts = sorted(set(cuts))
         starts = _enforce_sizes(cuts, units.tokens, strength, cfg.min_tokens, cfg.max_tokens)
         chunks = _chunks(text, units, starts)
@@ -326,56 +350,74 @@ class Segmenter:
 
 class FixedSizeChunker:
     """Fixed-size chunks of `tokens` word-pieces, cut wherever the count falls (LangChain's TokenTextSplitter with
-    no overlap)."""
+    no overlap). With paragraph_breaks, every paragraph (headings joined to what they head, as SAGE does) is cut on
+    its own, so no chunk spans a paragraph break."""
 
     name = "fixed"
 
-    def __init__(self, tokens: int = 128, embedder=None) -> None:
+    def __init__(self, tokens: int = 128, embedder=None, *, paragraph_breaks: bool = False,
+                 newline_is_break: bool = True) -> None:
         from certrag.embed import Embedder
 
         if tokens < 1:
             raise ValueError(f"tokens must be at least 1; got {tokens}")
         self.tokens = tokens
+        self.paragraph_breaks = paragraph_breaks
+        self.newline_is_break = newline_is_break
         self.embedder = embedder if embedder is not None else Embedder.default()
 
     def split(self, text: str) -> list[Chunk]:
-        offs = _token_spans(self.embedder.counter, text)
+        if self.paragraph_breaks:
+            units = _text_units(text, self.embedder, self.newline_is_break, 10**9)
+            spans = [(units.spans[a][0], units.spans[b - 1][1])
+                     for a, b in _paragraph_groups(text, units, True)]
+        else:
+            spans = [(0, len(text))]
         chunks = []
-        for a in range(0, len(offs), self.tokens):
-            b = min(len(offs), a + self.tokens)
-            s, e = offs[a][0], offs[b - 1][1]
-            chunks.append(Chunk(text=text[s:e], start=s, end=e, n_tokens=b - a))
+        for start, end in spans:
+            offs = [(start + a, start + b) for a, b in _token_spans(self.embedder.counter, text[start:end])]
+            for a in range(0, len(offs), self.tokens):
+                b = min(len(offs), a + self.tokens)
+                s, e = offs[a][0], offs[b - 1][1]
+                chunks.append(Chunk(text=text[s:e], start=s, end=e, n_tokens=b - a))
         return chunks
 
 
 class SentenceFixedChunker:
-    """Whole sentences packed greedily up to `tokens` word-pieces (LlamaIndex's SentenceSplitter, no overlap)."""
+    """Whole sentences packed greedily up to `tokens` word-pieces (LlamaIndex's SentenceSplitter, no overlap). With
+    paragraph_breaks, packing starts again at every paragraph (headings joined to what they head)."""
 
     name = "fixed_sentence"
 
-    def __init__(self, tokens: int = 128, embedder=None, newline_is_break: bool = False) -> None:
+    def __init__(self, tokens: int = 128, embedder=None, newline_is_break: bool = False, *,
+                 paragraph_breaks: bool = False) -> None:
         from certrag.embed import Embedder
 
         if tokens < 1:
             raise ValueError(f"tokens must be at least 1; got {tokens}")
         self.tokens = tokens
         self.newline_is_break = newline_is_break
+        self.paragraph_breaks = paragraph_breaks
         self.embedder = embedder if embedder is not None else Embedder.default()
 
     def split(self, text: str) -> list[Chunk]:
         units = _text_units(text, self.embedder, self.newline_is_break, self.tokens)
-        return _chunks(text, units, _windows(units.tokens, self.tokens))
+        starts = []
+        for a, b in _paragraph_groups(text, units, self.paragraph_breaks):
+            starts += [a + w for w in _windows(units.tokens[a:b], self.tokens)]
+        return _chunks(text, units, starts)
 
 
 class PercentileSemanticChunker:
     """Embedding-distance breakpoints (LangChain's SemanticChunker, breakpoint_threshold_type="percentile", and
     LlamaIndex's SemanticSplitterNodeParser): each sentence is embedded with `buffer` neighbours on each side, and
-    the text splits where the cosine distance between consecutive sentences exceeds the given percentile."""
+    the text splits where the cosine distance between consecutive sentences exceeds the given percentile. With
+    paragraph_breaks, every paragraph break (not before a heading) is a breakpoint too."""
 
     name = "semantic_percentile"
 
     def __init__(self, percentile: float = 95.0, buffer: int = 1, embedder=None,
-                 newline_is_break: bool = False) -> None:
+                 newline_is_break: bool = False, *, paragraph_breaks: bool = False) -> None:
         from certrag.embed import Embedder
 
         if not 0.0 <= percentile <= 100.0:
@@ -385,6 +427,7 @@ class PercentileSemanticChunker:
         self.percentile = percentile
         self.buffer = buffer
         self.newline_is_break = newline_is_break
+        self.paragraph_breaks = paragraph_breaks
         self.embedder = embedder if embedder is not None else Embedder.default()
 
     def split(self, text: str) -> list[Chunk]:
@@ -399,4 +442,6 @@ class PercentileSemanticChunker:
         emb = self.embedder.embed(combined)
         distance = 1.0 - np.sum(emb[:-1] * emb[1:], axis=1)
         threshold = np.percentile(distance, self.percentile)
-        return _chunks(text, units, [0] + [i + 1 for i, d in enumerate(distance) if d > threshold])
+        starts = {0} | {i + 1 for i, d in enumerate(distance) if d > threshold}
+        starts |= {a for a, _ in _paragraph_groups(text, units, self.paragraph_breaks)}
+        return _chunks(text, units, sorted(starts))

@@ -32,7 +32,28 @@ class SegmenterHead:
             raise ValueError(f"b1 and w2 must have shape ({w1.shape[0]},); got {b1.shape} and {w2.shape}")
         self.w1, self.b1, self.w2, self.b2 = w1, b1, w2, float(np.float32(b2))
         self.card = dict(card or {})
+        self.path: Path | None = None  # the file it was loaded from (load() sets it)
         self._scorers: dict[str, _core.PairScorer] = {}
+
+    @property
+    def embedder_dir(self) -> Path | None:
+        """The folder of the encoder this head was fine-tuned with (the card's "embedder_dir", beside the head's
+        file), or None for a head trained on the frozen bundled embedder."""
+        name = self.card.get("embedder_dir")
+        if not name:
+            return None
+        if self.path is None:
+            raise ValueError("this head names a fine-tuned embedder but was not loaded from a file")
+        return self.path.parent / name
+
+    def own_embedder(self):
+        """The fine-tuned Embedder this head was trained with, or None (then any embedder of its dimension)."""
+        folder = self.embedder_dir
+        if folder is None:
+            return None
+        from certrag.embed import Embedder
+
+        return Embedder(model_dir=folder, name=self.card.get("embedder", folder.name))
 
     @property
     def dim(self) -> int:
@@ -71,7 +92,9 @@ class SegmenterHead:
             raise ValueError(f"{path} is not a segmenter head: missing tensors {sorted(missing)}")
         card_path = path.with_suffix(".json")
         card = json.loads(card_path.read_text()) if card_path.exists() else {}
-        return cls(tensors["w1"], tensors["b1"], tensors["w2"], float(tensors["b2"].reshape(-1)[0]), card)
+        head = cls(tensors["w1"], tensors["b1"], tensors["w2"], float(tensors["b2"].reshape(-1)[0]), card)
+        head.path = path
+        return head
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the weights and the card, each atomically."""
@@ -83,6 +106,7 @@ class SegmenterHead:
                     metadata={"format": "certrag-segmenter-head", "dim": str(self.dim), "hidden": str(self.hidden)})
         write_file_atomic(path, data)
         write_file_atomic(path.with_suffix(".json"), (json.dumps(self.card, indent=2) + "\n").encode())
+        self.path = path
 
     def scorer(self, level: str = "auto", precision: str = "float32") -> _core.PairScorer:
         key = (level, precision)

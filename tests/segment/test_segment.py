@@ -121,15 +121,129 @@ def test_training_on_real_text_reduces_held_out_loss_and_beats_chance(embedder, 
     assert again.card["held_out"] == card["held_out"]
 
 
-def test_the_packaged_head_loads_and_separates_topics(embedder):
+def test_the_packaged_head_loads_with_its_threshold_chosen_on_train(embedder):
     head = SegmenterHead.default()
     assert head.dim == embedder.dim and head.card["embedder"] == embedder.name
-    seg = Segmenter(head=head, embedder=embedder)
-    same = seg.pair_probabilities(["The violin has four strings tuned in fifths.",
-                                   "Its body is usually made of spruce and maple."])
-    change = seg.pair_probabilities(["The violin has four strings tuned in fifths.",
-                                     "Photosynthesis converts light energy into chemical energy in plants."])
-    assert same[0] > change[0]
+    assert 0.05 <= head.card["threshold"] <= 0.95 and "validation" in head.card["threshold_rule"]
+    assert Segmenter(head=head, embedder=embedder).threshold == head.card["threshold"]
+    assert Segmenter(head=head, embedder=embedder, config=SegmenterConfig(threshold=0.3)).threshold == 0.3
+
+
+@pytest.fixture(scope="module")
+def held_out_docs():
+    """The packaged head's held-out documents (its card's rule: whole documents, by a hash of their name)."""
+    from certrag.data.corpora import wiki_documents
+    from certrag.train.segmenter import split_documents
+
+    return split_documents(wiki_documents(seed=0), 0.2)[1]
+
+
+def test_a_plain_topic_change_is_cut(embedder, held_out_docs):
+    """A sentence of one held-out article followed by a sentence of another, with no paragraph mark between them,
+    is a change of subject: the packaged head at its own threshold cuts at least 85% of them, while keeping at
+    least 60% of the consecutive sentences inside a paragraph together (a head that cuts everywhere fails)."""
+    from certrag.train.segmenter import document_sentences, topic_changes
+
+    seg = Segmenter(embedder=embedder)
+    changes = topic_changes(held_out_docs, 300, seed=11)
+    p_change = seg.head.score_adjacent_pairs(embedder.embed([a for a, _ in changes]),
+                                             embedder.embed([b for _, b in changes]))
+    inside = []
+    for doc in held_out_docs[:60]:
+        texts, para = document_sentences(doc)
+        inside += [(texts[i], texts[i + 1]) for i in range(len(texts) - 1) if para[i] == para[i + 1]]
+    p_inside = seg.head.score_adjacent_pairs(embedder.embed([a for a, _ in inside]),
+                                             embedder.embed([b for _, b in inside]))
+    assert np.mean(p_change < seg.threshold) >= 0.85, np.mean(p_change < seg.threshold)
+    assert np.mean(p_inside >= seg.threshold) >= 0.6, np.mean(p_inside >= seg.threshold)
+    # the review's case, through split(): two subjects in one paragraph become two chunks
+    everest = ("Mount Everest is Earth's highest mountain above sea level, located in the Mahalangur Himal "
+               "sub-range of the Himalayas.")
+    cell = "The mitochondrion is an organelle found in the cells of most eukaryotes, such as animals and plants."
+    text = f"{everest} {cell}"
+    chunks = Segmenter(embedder=embedder, config=SegmenterConfig(min_tokens=4, max_tokens=512,
+                                                                 window_tokens=512)).split(text)
+    assert [c.text for c in chunks] == [everest, cell]
+
+
+def test_a_single_newline_is_a_paragraph_break_by_default(embedder):
+    one = "The kettle boils a litre of water in under three minutes and then switches itself off."
+    two = "The warranty covers the heating element and the switch for three years from purchase."
+    text = f"{one}\n{two}"
+    never = dict(min_tokens=4, max_tokens=512, window_tokens=512, threshold=0.0)  # the head never cuts
+    assert [c.text for c in Segmenter(embedder=embedder, config=SegmenterConfig(**never)).split(text)] == [one, two]
+    joined = Segmenter(embedder=embedder, config=SegmenterConfig(**never, newline_is_break=False)).split(text)
+    assert [c.text for c in joined] == [text]
+
+
+def test_choose_threshold_maximises_boundary_f1():
+    from certrag.train.segmenter import choose_threshold
+
+    # gold: breaks at 0 and 2. Cutting below 0.35 finds both with no false cut (F1 1.0); any t in (0.3, 0.4]
+    # does, and the grid's nearest point to 0.5 among them is 0.4.
+    p = np.array([0.1, 0.9, 0.3, 0.8, 0.4])
+    y = np.array([0, 1, 0, 1, 1], dtype=np.float32)
+    t, f1 = choose_threshold(p, y)
+    assert t == pytest.approx(0.4) and f1 == pytest.approx(1.0)
+    # a threshold above 0.4 adds the false cut at 0.4: precision 2/3, recall 1, F1 0.8 -- never chosen
+    cut = p < 0.45
+    assert 2 * (2 / cut.sum()) * 1.0 / (2 / cut.sum() + 1.0) == pytest.approx(0.8)
+
+
+def test_training_pairs_mix_paragraph_breaks_and_topic_changes(wiki_docs):
+    from certrag.train.segmenter import document_sentences, triplets
+
+    s1, s2, y = triplets(wiki_docs[:40], max_pairs=400, seed=0, topic_fraction=0.5)
+    assert len(y) == 400 and y.sum() == 200
+    owner = {}
+    for i, doc in enumerate(wiki_docs[:40]):
+        for t in document_sentences(doc)[0]:
+            owner.setdefault(t, i)
+    across = sum(owner[a] != owner[b] for a, b, label in zip(s1, s2, y) if label == 0)
+    assert across == 100  # half the negatives come from two different documents
+    with pytest.raises(ValueError, match="topic_fraction"):
+        triplets(wiki_docs[:5], topic_fraction=1.5)
+
+
+def test_baselines_given_paragraph_cuts_never_span_a_paragraph(embedder):
+    paragraphs_ = ["## Kettle", "The kettle boils a litre of water in under three minutes and switches off.",
+                   "The warranty covers the heating element for three years.", "Descale it every month."]
+    text = "\n".join(paragraphs_)
+    for chunker in (FixedSizeChunker(200, embedder, paragraph_breaks=True),
+                    SentenceFixedChunker(200, embedder, newline_is_break=True, paragraph_breaks=True),
+                    PercentileSemanticChunker(100.0, embedder=embedder, newline_is_break=True,
+                                              paragraph_breaks=True)):
+        got = [c.text for c in chunker.split(text)]
+        # the heading joins the paragraph it heads; every other paragraph is a chunk of its own
+        assert got == ["## Kettle\nThe kettle boils a litre of water in under three minutes and switches off.",
+                       paragraphs_[2], paragraphs_[3]], chunker.name
+        for c in chunker.split(text):
+            assert text[c.start:c.end] == c.text
+    for chunker in (FixedSizeChunker(200, embedder), SentenceFixedChunker(200, embedder, newline_is_break=True)):
+        assert len(chunker.split(text)) == 1  # without them, 200 tokens hold it all
+
+
+def test_finetuning_the_embedder_with_the_head_lowers_the_loss_and_loads_beside_it(embedder, wiki_docs,
+                                                                                   tmp_path):
+    from certrag.train.segmenter import _embed_pairs, finetune_embedder, triplets
+
+    s1, s2, y = triplets(wiki_docs[:20], max_pairs=48, seed=1)
+    head = SegmenterHead.random(embedder.dim, 16, seed=0)
+
+    def loss(h, emb):
+        p = np.clip(h.score_adjacent_pairs(*_embed_pairs(emb, s1, s2)), 1e-7, 1 - 1e-7)
+        return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+    before = loss(head, embedder)
+    tuned, new_head = finetune_embedder(embedder, head, s1, s2, y, tmp_path / "head.embedder", epochs=4,
+                                        lr=1e-4, head_lr=1e-3, batch_size=16, progress=False)
+    assert loss(new_head, tuned) < before - 0.05
+    assert not np.allclose(tuned.embed(s1[:2]), embedder.embed(s1[:2]), atol=1e-3)
+    new_head.card = {"embedder_dir": "head.embedder", "embedder": tuned.name}
+    new_head.save(tmp_path / "head.safetensors")
+    seg = Segmenter(head=SegmenterHead.load(tmp_path / "head.safetensors"))
+    assert seg.embedder.model_dir == tmp_path / "head.embedder"
+    np.testing.assert_array_equal(seg.embedder.embed(s1[:3]), tuned.embed(s1[:3]))
 
 
 def test_sage_cuts_where_the_topic_changes(embedder, wiki_docs):
