@@ -174,3 +174,15 @@ def concurrent_latency(call, questions: list[str], callers: int) -> dict:
     wall = time.perf_counter() - started
     return {"callers": callers, "queries": len(times), "throughput_qps": len(times) / wall, **percentiles_ms(times)}
 
+
+
+def bootstrap(values, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the mean of values (paired differences: pass the per-question differences)."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    if not len(v):
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), (reps, len(v)))].mean(1)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))

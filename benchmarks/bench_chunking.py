@@ -42,6 +42,8 @@ def chunkers(embedder):
     cuts = dict(newline_is_break=True, paragraph_breaks=True)  # the same paragraph cuts SAGE's default makes
     return {
         "sage 24-256 (default)": Segmenter(embedder=embedder),
+        "sage 24-256, threshold 0.05 (best on train for retrieval)": Segmenter(
+            embedder=embedder, config=SegmenterConfig(threshold=0.05)),
         "sage 24-256, no paragraph cuts": Segmenter(embedder=embedder,
                                                     config=SegmenterConfig(paragraph_breaks=False)),
         "sage 64-512": Segmenter(embedder=embedder, config=SegmenterConfig(min_tokens=64, max_tokens=512,
@@ -92,8 +94,15 @@ def main() -> None:
     p.add_argument("--py-pages", type=int, default=80)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--split", default="test", choices=("train", "test"),
+                   help="NQ-open split the questions come from (train: for choosing settings)")
+    p.add_argument("--sage-thresholds", default="",
+                   help="comma-separated thresholds: measure SAGE's default sizes at each instead of every chunker "
+                        "(with --split train, to choose the threshold on train)")
     args = p.parse_args()
     _common.pin_threads(1)
+    if args.sage_thresholds and args.answer_questions:
+        p.error("--sage-thresholds measures retrieval only; leave out --answer-questions")
 
     import numpy as np
 
@@ -104,7 +113,7 @@ def main() -> None:
     from certrag.strategies import Plain
 
     embedder = cached_embedder()
-    items = load_nq_open(split="test")[: args.questions]
+    items = load_nq_open(split=args.split)[: args.questions]
     docs, where = build_documents(items, embedder, args.wiki_docs, args.py_pages)
     qv = embedder.embed([it.question for it in items])
     llm = None
@@ -113,7 +122,14 @@ def main() -> None:
 
         llm = LocalLLM(args.model)
     rows = []
-    for name, chunker in chunkers(embedder).items():
+    if args.sage_thresholds:
+        from certrag.segment import Segmenter, SegmenterConfig
+
+        todo = {f"sage 24-256 threshold {t}": Segmenter(embedder=embedder, config=SegmenterConfig(threshold=float(t)))
+                for t in args.sage_thresholds.split(",")}
+    else:
+        todo = chunkers(embedder)
+    for name, chunker in todo.items():
         started = time.perf_counter()
         chunks = []  # (doc index, start, end, text, tokens)
         for d, (_, text) in enumerate(docs):
@@ -161,7 +177,23 @@ def main() -> None:
         print(row, file=sys.stderr, flush=True)
 
     meta = _common.meta({"bench": "bench_chunking", "questions": len(items), "documents": len(docs),
-                         "answer_questions": args.answer_questions, "model": args.model if llm else None})
+                         "split": args.split, "answer_questions": args.answer_questions,
+                         "model": args.model if llm else None})
+    if args.sage_thresholds:
+        text = "\n".join([
+            f"### SAGE's threshold on the NQ-open {args.split} split (bench_chunking.py --sage-thresholds)\n",
+            f"{len(items)} NQ-open {args.split} questions, bench_chunking's documents and protocol, SAGE at its default "
+            "sizes (24-256 tokens) and each threshold.\n",
+            _common.markdown_table(["chunker", "chunks", "mean tokens", "recall@1", "recall@5",
+                                    *[f"recall @ {b} tok" for b in BUDGETS]],
+                                   [[r["chunker"], r["chunks"], r["mean_tokens"], r["recall@1"], r["recall@5"],
+                                     *[r[f"recall@{b} tokens"] for b in BUDGETS]] for r in rows]),
+            _common.footer(meta)])
+        print(text)
+        if not args.no_write:
+            _common.write_rows(f"bench_chunking-{args.split}-thresholds", rows, meta)
+            _common.update_results_md(f"bench_chunking-{args.split}-thresholds", text)
+        return
     best = max(rows, key=lambda r: r["recall@256 tokens"])
     sage = rows[0]
     fixed = max((r for r in rows if not r["chunker"].startswith("sage")), key=lambda r: r["recall@256 tokens"])

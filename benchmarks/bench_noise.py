@@ -90,17 +90,6 @@ def run(args) -> None:
             print(f"question {qi} done", file=sys.stderr, flush=True)
 
 
-def bootstrap(values, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    import numpy as np
-
-    v = np.asarray(values, dtype=np.float64)
-    if not len(v):
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, len(v), (reps, len(v)))].mean(1)
-    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
-
-
 def report(args) -> None:
     import numpy as np
 
@@ -122,7 +111,7 @@ def report(args) -> None:
         label = "unanswerable (answer removed)" if kind == "unanswerable" else f"{ratio:.1f} {kind}"
 
         def ci(v):
-            lo, hi = bootstrap(v)
+            lo, hi = _common.bootstrap(v)
             return f"{v.mean():.3f} [{lo:.2f}, {hi:.2f}]"
 
         table.append([label, len(qs), ci(em["plain"]), ci(em["chain_of_note"]), ci(d_em), ci(rej["plain"]),
@@ -130,7 +119,7 @@ def report(args) -> None:
         out_rows.append({"what": "noise_protocol", "kind": kind, "ratio": ratio, "n": len(qs),
                          "em_plain": float(em["plain"].mean()), "em_con": float(em["chain_of_note"].mean()),
                          "reject_plain": float(rej["plain"].mean()), "reject_con": float(rej["chain_of_note"].mean()),
-                         "em_diff_ci": bootstrap(d_em), "reject_diff_ci": bootstrap(d_rej),
+                         "em_diff_ci": _common.bootstrap(d_em), "reject_diff_ci": _common.bootstrap(d_rej),
                          "malformed_con": float(mal["chain_of_note"].mean())})
     meta = _common.meta({"bench": "bench_noise", "model": args.model, "weights": args.weights, "scan": args.scan,
                          "questions": args.questions})

@@ -1,20 +1,26 @@
-"""Self-RAG beside plain RAG on the questions of bench_qa.py, and what its critic costs.
+"""Self-RAG as its paper runs it, beside plain RAG: over the top-5 passages, adaptive retrieval acting on part of the
+questions, and the critic measured against labels.
 
-Questions: the first --questions of the NQ-open test split (the same as bench_qa.py's first ones), the store of
-bench_retrieval.py, the bundled reader (greedy). Conditions, interleaved per question: plain and chain_of_note (the engine's
-default selection) and self_rag (certrag.strategies.SelfRag: beam 2, depth 2, weights 1 / 1 / 0.5) at two adaptive-retrieval
-thresholds delta (0.2, Self-RAG's default, and 0.5). Reported: EM, F1, input / output tokens (the critic's forward
-passes count as input tokens), latency p50, and the retrieval rate (the share of questions where the first
-decision was to retrieve). Self-RAG's Table 2 compares the same way on PopQA / TriviaQA, with a 7B model trained
-with reflection tokens; the bundled model has none, so its critic reads label words.
+Questions: the first --questions of the NQ-open test split, the store of bench_retrieval.py, the bundled reader
+(greedy). Conditions, interleaved per question: plain over the engine's default selection, plain over the top 5, and
+self_rag over the top 5 (certrag.strategies.SelfRag: beam 2, depth 2, weights 1 / 1 / 0.5; Self-RAG retrieves the top
+5 and writes a segment per passage) at three adaptive-retrieval thresholds delta. The deltas are chosen on the
+*train* split, as the quantiles of the retrieval probability p(Yes) / (p(Yes) + p(No)) over --delta-questions train
+questions at which 75%, 50% and 25% of them would retrieve (Self-RAG's default 0.2 made this reader retrieve for every
+question, so adaptive retrieval never acted). Reported: EM, F1, input / output tokens (the critic's forward passes
+count as input tokens), latency p50, and the retrieval rate on test. Self-RAG's Table 2 compares the same way on
+PopQA / TriviaQA with a 7B model trained with reflection tokens; the bundled model has none, so its critic reads label
+words.
 
-Critic cost per passage: the four reflection groups read from one batched forward pass (certrag's critic) against
-the naive way (generating the critique text, 8 tokens per group, one call per group and passage), on the same
-(question, passage, segment) triples.
+The critic against labels: for --critic-questions test questions, the gold passage (labelled relevant) and up to four
+of the best-ranked retrieved passages that are not it and hold no reference answer (labelled irrelevant); s(IsRel)
+read for each: accuracy at 0.5, AUROC, and the share called relevant in each class. Critic cost per passage: the
+three groups read from one batched forward pass against generating the critique text (8 tokens per group, one call
+per group and passage).
 
 Questions are sharded over --workers processes (one torch thread, one core each), each appending its rows to a
-file in benchmarks/data (--resume continues a run, --report-only summarises it); the critic's cost is then timed in
-one process, alone.
+file in benchmarks/data (--resume continues a run, --report-only summarises it); the critic's figures are then
+computed in one process, alone.
 
     python benchmarks/bench_selfrag.py --questions 100
 """
@@ -30,12 +36,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+RATES = (0.75, 0.5, 0.25)  # the train retrieval rates the three deltas are chosen for
 
-CONDITIONS = ("plain", "chain_of_note", "self_rag delta=0.2", "self_rag delta=0.5")
+
+def conditions(deltas) -> tuple[str, ...]:
+    return ("plain", "plain top-5", *[f"self_rag top-5 delta={d:.4f}" for d in deltas])
 
 
 def _stem(args) -> str:
-    return f"bench_selfrag-{args.model}-{args.questions}q"
+    return f"bench_selfrag-top5-{args.model}-{args.questions}q"
 
 
 def _shard_path(args, shard: int, reverse: bool = False) -> Path:
@@ -46,10 +55,30 @@ def _rows(args) -> list[dict]:
     return _common.shard_rows(_stem(args), args.workers)
 
 
-def _strategy(name: str):
-    from certrag.strategies.self_rag import SelfRag
+def _deltas_path(args) -> Path:
+    return _common.DATA_DIR / f"{_stem(args)}-deltas.json"
 
-    return SelfRag(delta=float(name.split("=")[1])) if name.startswith("self_rag") else name
+
+def choose_deltas(llm, n: int) -> dict:
+    """Deltas at which RATES of the first n NQ-open train questions would retrieve (quantiles of p_retrieve)."""
+    import numpy as np
+
+    from certrag.data.nq import load_nq_open
+    from certrag.strategies.self_rag import Critic, deltas_for_rates, retrieve_probability
+
+    questions = [it.question for it in load_nq_open(split="train")[:n]]
+    deltas = deltas_for_rates(llm, questions, RATES)
+    critic = Critic(llm)
+    p = np.array([retrieve_probability(r) for r in
+                  critic.read([("retrieve", critic.prompt("retrieve", q)) for q in questions])], dtype=float)
+    return {"deltas": deltas, "train_rates": [float(np.mean(p > d)) for d in deltas], "train_questions": n,
+            "p_retrieve_quantiles": {q: float(np.quantile(p, q)) for q in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)}}
+
+
+def _top5():
+    from certrag.config import SelectionConfig
+
+    return SelectionConfig(method="topk", k=5)
 
 
 def worker(args) -> None:
@@ -60,31 +89,38 @@ def worker(args) -> None:
     from certrag.eval.metrics import exact_match, f1_score
     from certrag.llm import LocalLLM
     from certrag.rerank import CrossEncoderReranker
+    from certrag.strategies.self_rag import SelfRag
 
     from _nq import cached_embedder, nq_store
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model)
+    top5 = engine.with_settings(selection=_top5())
+    deltas = json.loads(_deltas_path(args).read_text())["deltas"]
     path = _shard_path(args, args.shard, args.reverse)
     done = {(r["q"], r["condition"]) for r in _rows(args)} if args.resume or args.reverse else set()
     items = list(enumerate(load_nq_open(split="test")[: args.questions]))[args.shard::args.workers]
     if args.reverse:  # a helper on a free core, taking a slow shard's questions from its end
         items = items[::-1]
+    runs = {"plain": (engine, "plain"), "plain top-5": (top5, "plain")}
+    runs.update({name: (top5, SelfRag(delta=d)) for name, d in zip(conditions(deltas)[2:], deltas)})
     with path.open("a") as out:
         for qi, it in items:
             if args.reverse:  # stop where the shard's own worker has got to
                 done |= {(r["q"], r["condition"]) for r in _rows(args)}
-            for name in CONDITIONS:
+            retrieval = top5.retrieve(it.question)
+            for name, (eng, strategy) in runs.items():
                 if (qi, name) in done:
                     continue
                 t = time.perf_counter()
-                a = engine.answer(it.question, strategy=_strategy(name))
+                a = eng.answer(it.question, strategy=strategy, retrieval=retrieval if eng is top5 else None)
                 hist = a.trace.get("history", [])
                 first = next((h for h in hist if "retrieve" in h and "segment" not in h), None)
                 row = {"q": qi, "condition": name, "em": exact_match(a.text, it.answers),
                        "f1": f1_score(a.text, it.answers), "in": a.input_tokens, "out": a.output_tokens,
                        "s": time.perf_counter() - t, "retrieved": None if first is None else bool(first["retrieve"]),
                        "p_retrieve": None if first is None else first["p_retrieve"],
+                       "passages": None if a.retrieval is None else int(a.retrieval.selected),
                        "passes": (hist[-1].get("critic_forward_passes") if hist else None)}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
@@ -92,10 +128,37 @@ def worker(args) -> None:
     engine.close()
 
 
+def critic_accuracy(engine, critic, items) -> dict:
+    """s(IsRel) on the gold passage (relevant) and on retrieved answer-free passages (irrelevant)."""
+    import numpy as np
+
+    from certrag.eval.metrics import answer_in_text
+    from certrag.strategies.self_rag import s_isrel
+    from certrag.train.factuality import auroc
+
+    y, score = [], []
+    for it in items:
+        r = engine.retrieve(it.question)
+        others = [t for t in r.texts if t != it.gold_text and not answer_in_text(t, it.answers)][:4]
+        texts = [it.gold_text] + others
+        reads = critic.read([("isrel", critic.prompt("isrel", it.question, t)) for t in texts])
+        y += [1] + [0] * len(others)
+        score += [s_isrel(rd) for rd in reads]
+    y, score = np.array(y), np.array(score, dtype=float)
+    called = score > 0.5
+    return {"what": "critic_accuracy", "questions": len(items), "passages": int(len(y)),
+            "relevant": int(y.sum()), "accuracy": float(np.mean(called == (y == 1))), "auroc": auroc(y, score),
+            "called_relevant_gold": float(np.mean(called[y == 1])),
+            "called_relevant_others": float(np.mean(called[y == 0])),
+            "median_s_gold": float(np.median(score[y == 1])), "median_s_others": float(np.median(score[y == 0]))}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--questions", type=int, default=100)
-    p.add_argument("--critic-questions", type=int, default=10)
+    p.add_argument("--delta-questions", type=int, default=200, help="train questions the deltas are chosen on")
+    p.add_argument("--critic-questions", type=int, default=60, help="test questions for the critic's accuracy")
+    p.add_argument("--cost-questions", type=int, default=10, help="test questions for the critic's cost")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--workers", type=int, default=2, help="processes answering, one torch thread and one core each")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the shard files")
@@ -104,18 +167,26 @@ def main() -> None:
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--reverse", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.workers < 1:
-        p.error("--workers must be at least 1")
+    for name in ("questions", "workers", "delta_questions"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.shard is not None:
         worker(args)
         return
+    _common.pin_threads(1)
+    from certrag.llm import LocalLLM
+
+    llm = LocalLLM(args.model)
     if not args.report_only:
         import subprocess
 
-        if not args.resume:  # a fresh run: the workers append to empty files
+        if not args.resume:  # a fresh run: the workers append to empty files, with deltas chosen on train
             for i in range(args.workers):
                 for rev in (False, True):
                     _shard_path(args, i, rev).unlink(missing_ok=True)
+            chosen = choose_deltas(llm, args.delta_questions)
+            _deltas_path(args).write_text(json.dumps(chosen, indent=2) + "\n")
+            print(f"deltas chosen on train: {chosen}", file=sys.stderr, flush=True)
         from _nq import cached_embedder, nq_store
         from certrag.rerank import CrossEncoderReranker
 
@@ -126,34 +197,38 @@ def main() -> None:
         for proc in procs:
             if proc.wait() != 0:
                 raise SystemExit(f"a worker failed with exit code {proc.returncode}")
-    _common.pin_threads(1)
 
     import numpy as np
 
     from certrag.data.nq import load_nq_open
-    from certrag.llm import LocalLLM
     from certrag.llm.prompts import Passage
     from certrag.rerank import CrossEncoderReranker
     from certrag.strategies.self_rag import GROUPS, LABEL_WORDS, Critic
 
     from _nq import cached_embedder, nq_store
 
+    chosen = json.loads(_deltas_path(args).read_text())
+    names = conditions(chosen["deltas"])
     by_q: dict[int, dict[str, dict]] = {}
     for r in _rows(args):
         by_q.setdefault(r["q"], {})[r["condition"]] = r
-    complete = sorted(q for q, rs in by_q.items() if all(c in rs for c in CONDITIONS))  # paired questions only
-    out = {name: [by_q[q][name] for q in complete] for name in CONDITIONS}
+    complete = sorted(q for q, rs in by_q.items() if all(c in rs for c in names))  # paired questions only
+    out = {name: [by_q[q][name] for q in complete] for name in names}
     if not complete:
         raise SystemExit("no question has every condition answered yet")
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
-    llm = LocalLLM(args.model)
     engine.llm = llm
-    items = load_nq_open(split="test")[: args.questions]
+    items = load_nq_open(split="test")
     rows = []
+    base = np.array([r["em"] for r in out["plain top-5"]])
     for name, rs in out.items():
         ret = [r["retrieved"] for r in rs if r["retrieved"] is not None]
-        rows.append({"what": "selfrag_qa", "condition": name, "questions": len(rs),
-                     "em": float(np.mean([r["em"] for r in rs])), "f1": float(np.mean([r["f1"] for r in rs])),
+        em = np.array([r["em"] for r in rs])
+        lo, hi = _common.bootstrap(em - base)
+        rows.append({"what": "selfrag_qa", "condition": name, "questions": len(rs), "em": float(em.mean()),
+                     "f1": float(np.mean([r["f1"] for r in rs])), "em_minus_plain_top5": float((em - base).mean()),
+                     "em_minus_plain_top5_ci": [lo, hi],
+                     "passages": float(np.mean([r["passages"] for r in rs if r["passages"] is not None] or [0])),
                      "input_tokens": float(np.mean([r["in"] for r in rs])),
                      "output_tokens": float(np.mean([r["out"] for r in rs])),
                      "p50_s": float(np.median([r["s"] for r in rs])),
@@ -161,12 +236,13 @@ def main() -> None:
                      "critic_passes": float(np.mean([r["passes"] for r in rs])) if rs[0]["passes"] is not None
                      else None})
 
-    # Critic cost per passage: one batched forward pass against generating the critique text.
     critic = Critic(llm)
+    accuracy = critic_accuracy(engine, critic, items[: args.critic_questions])
+    # Critic cost per passage: one batched forward pass against generating the critique text.
     ours, naive, n_pass, naive_steps, n_passages = [], [], 0, 0, 0
-    for it in items[: args.critic_questions]:
+    for it in items[: args.cost_questions]:
         r = engine.retrieve(it.question)
-        passages = [Passage(t) for t in r.selected_texts][:5]
+        passages = [Passage(t) for t in r.texts[:5]]
         n_passages += len(passages)
         segment = llm.generate([{"role": "user", "content": it.question}], max_new_tokens=12).text
         before = critic.forward_passes
@@ -190,29 +266,52 @@ def main() -> None:
                     "ms_per_passage": float(np.median(naive) * 1e3),
                     # measured: one forward pass per generated token (the first comes from the prefill's pass)
                     "forward_passes_per_passage": naive_steps / n_passages}]
-    for r in rows + critic_rows:
+    for r in rows + [accuracy] + critic_rows:
         print(r, file=sys.stderr)
 
     meta = _common.meta({"bench": "bench_selfrag", "model": args.model, "questions": args.questions,
-                         "groups": list(GROUPS)})
-    plain, sr = rows[0], rows[2]
+                         "groups": list(GROUPS), "deltas": chosen})
+    plain5 = rows[1]
+    best = max(rows[2:], key=lambda r: r["em"])
+
+    def ci(r):
+        lo, hi = r["em_minus_plain_top5_ci"]
+        return f" [{lo:+.3f}, {hi:+.3f}]"
+
     text = "\n".join([
         "### Self-RAG (bench_selfrag.py)\n",
-        f"**Verdict:** self_rag (delta 0.2) EM {sr['em']:.3f} against plain's {plain['em']:.3f} and "
-        f"chain_of_note's {rows[1]['em']:.3f}, at {sr['input_tokens'] / plain['input_tokens']:.1f}x plain's input "
-        f"tokens and {sr['p50_s'] / plain['p50_s']:.1f}x its latency; the critic reads a passage's three groups in "
-        f"{critic_rows[0]['ms_per_passage']:.0f} ms against {critic_rows[1]['ms_per_passage']:.0f} ms for generating "
-        f"the critique ({critic_rows[1]['ms_per_passage'] / critic_rows[0]['ms_per_passage']:.1f}x).\n",
+        f"**Verdict:** over the top 5, the best self_rag ({best['condition']}, retrieving for "
+        f"{best['retrieval_rate']:.0%} of test questions) reaches EM {best['em']:.3f} against plain's "
+        f"{plain5['em']:.3f} over the same 5 passages (difference {best['em_minus_plain_top5']:+.3f}{ci(best)}) and "
+        f"plain's {rows[0]['em']:.3f} over the default selection, at {best['input_tokens'] / plain5['input_tokens']:.1f}x "
+        f"plain top-5's input tokens and {best['p50_s'] / plain5['p50_s']:.1f}x its latency. The critic calls "
+        f"{accuracy['called_relevant_gold']:.0%} of gold passages and {accuracy['called_relevant_others']:.0%} of "
+        f"answer-free retrieved ones relevant (accuracy {accuracy['accuracy']:.3f}, AUROC {accuracy['auroc']:.3f}).\n",
         f"{args.model} (no reflection tokens: label words after critique prompts), NQ-open test questions "
-        f"(the first {args.questions}, the same as bench_qa.py's first; {len(complete)} answered under every "
-        "condition), store of bench_retrieval.py; self_rag uses the engine's selected passages as its candidates, "
-        f"beam 2, depth 2. p50 s: per answer, {args.workers} workers on their own cores, one torch thread each.\n",
-        _common.markdown_table(["condition", "questions", "EM", "F1", "input tokens", "output tokens", "p50 s",
-                                "retrieval rate", "critic passes / q"],
-                               [[r["condition"], r["questions"], r["em"], r["f1"], r["input_tokens"],
+        f"(the first {args.questions}; {len(complete)} answered under every condition), store of bench_retrieval.py. "
+        f"self_rag: the top 5 reranked passages, a segment per passage, beam 2, depth 2. Deltas chosen on the first "
+        f"{chosen['train_questions']} NQ-open *train* questions as the quantiles of p_retrieve at which "
+        f"{', '.join(f'{r:.0%}' for r in RATES)} of them retrieve (train rates "
+        f"{', '.join(f'{r:.0%}' for r in chosen['train_rates'])}); Self-RAG's default 0.2 retrieves for every question "
+        f"with this reader (p_retrieve quantiles on train: "
+        f"{', '.join(f'{k}: {v:.3f}' for k, v in chosen['p_retrieve_quantiles'].items())}). EM - plain top-5: paired "
+        f"by question, 95% bootstrap interval. p50 s: per answer, {args.workers} workers on their own cores, one torch "
+        "thread each.\n",
+        _common.markdown_table(["condition", "questions", "passages", "EM", "EM - plain top-5", "F1", "input tokens",
+                                "output tokens", "p50 s", "retrieval rate (test)", "critic passes / q"],
+                               [[r["condition"], r["questions"], r["passages"], r["em"],
+                                 f"{r['em_minus_plain_top5']:+.3f}{ci(r)}", r["f1"], r["input_tokens"],
                                  r["output_tokens"], r["p50_s"], r["retrieval_rate"], r["critic_passes"]]
                                 for r in rows]),
-        f"\nCritic cost per passage (IsRel, IsSup, IsUse) on {args.critic_questions} questions' selected passages:\n",
+        f"\nThe critic against labels (IsRel, {accuracy['questions']} test questions: the gold passage = relevant, up "
+        f"to four best-ranked retrieved passages without a reference answer = irrelevant; called relevant when "
+        f"s(IsRel) > 0.5):\n",
+        _common.markdown_table(["passages", "relevant", "accuracy", "AUROC", "gold called relevant",
+                                "others called relevant", "median s gold", "median s others"],
+                               [[accuracy["passages"], accuracy["relevant"], accuracy["accuracy"], accuracy["auroc"],
+                                 accuracy["called_relevant_gold"], accuracy["called_relevant_others"],
+                                 accuracy["median_s_gold"], accuracy["median_s_others"]]]),
+        f"\nCritic cost per passage (IsRel, IsSup, IsUse) on {args.cost_questions} questions' top-5 passages:\n",
         _common.markdown_table(["method", "ms / passage", "forward passes / passage"],
                                [[r["method"], r["ms_per_passage"], r["forward_passes_per_passage"]]
                                 for r in critic_rows]),
@@ -220,7 +319,7 @@ def main() -> None:
     print(text)
     engine.close()
     if not args.no_write:
-        _common.write_rows("bench_selfrag", rows + critic_rows, meta)
+        _common.write_rows("bench_selfrag", rows + [accuracy] + critic_rows, meta)
         _common.update_results_md("bench_selfrag", text)
 
 

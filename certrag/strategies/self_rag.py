@@ -305,6 +305,26 @@ class Critic:
         return merged
 
 
+def deltas_for_rates(llm, questions: Sequence[str], rates: Sequence[float]) -> list[float]:
+    """Adaptive-retrieval thresholds at which the given shares of `questions` retrieve (p_retrieve > delta): the
+    (1 - rate) quantiles of p_retrieve over them, read in one batch. Self-RAG's default 0.2 is set for a model trained
+    with reflection tokens; a reader prompted with label words keeps p_retrieve in a narrow band (0.42-0.68 for the
+    bundled 0.5B reader on NQ-open train questions), so 0.2 retrieves for every question. Choose on questions like
+    yours (bench_selfrag does it on the train split), never on the ones you report."""
+    questions = list(questions)
+    if not questions:
+        raise ValueError("questions must not be empty")
+    for r in rates:
+        if not 0.0 < r < 1.0:
+            raise ValueError(f"rates must be in (0, 1); got {r}")
+    critic = Critic(llm)
+    reads = critic.read([("retrieve", critic.prompt("retrieve", q)) for q in questions])
+    p = np.array([retrieve_probability(r) for r in reads], dtype=float)
+    if np.isnan(p).any():  # retrieve_probability gave None: no mass on Yes or No
+        raise ValueError("the model gives no probability to Yes or No for some question")
+    return [float(np.quantile(p, 1.0 - r, method="higher")) for r in rates]
+
+
 # ------------------------------------------------------------------------------------------------ the strategy
 
 @dataclass(frozen=True)

@@ -247,3 +247,25 @@ def test_engine_answer_with_self_rag_cites_the_chosen_passages(tmp_path, smollm)
     assert a.strategy == "self_rag" and a.text
     assert a.cited_chunk_ids == tuple(int(a.retrieval.chunk_ids[i]) for i in chosen["cited_passages"])
     assert any("p_retrieve" in h for h in a.trace["history"])
+
+
+def test_deltas_for_rates_make_that_share_of_questions_retrieve(smollm):
+    """Self-RAG's default delta 0.2 retrieves for every question with a reader without reflection tokens; the
+    deltas chosen for rates 0.75 / 0.5 / 0.25 make about that share retrieve, decided one question at a time by the
+    strategy's own rule (should_retrieve on a single read)."""
+    from certrag.data.nq import load_nq_open
+    from certrag.strategies.self_rag import Critic, deltas_for_rates, should_retrieve
+
+    questions = [it.question for it in load_nq_open(split="train")[:24]]
+    rates = (0.75, 0.5, 0.25)
+    deltas = deltas_for_rates(smollm, questions, rates)
+    assert deltas == sorted(deltas)
+    critic = Critic(smollm)
+    reads = [critic.retrieve(q) for q in questions]
+    for rate, delta in zip(rates, deltas):
+        share = np.mean([should_retrieve(r, delta)[0] for r in reads])
+        assert abs(share - rate) <= 2 / len(questions) + 1e-9, (rate, delta, share)
+    with pytest.raises(ValueError, match="rates"):
+        deltas_for_rates(smollm, questions, [1.0])
+    with pytest.raises(ValueError, match="questions"):
+        deltas_for_rates(smollm, [], [0.5])
