@@ -125,6 +125,7 @@ def feedback_distribution(rows: list[dict]) -> dict:
     """The judge's verdicts over the feedback rows: rounds, scores, flags (and how many were defaulted)."""
     rounds = collections.Counter(r["rounds"] for r in rows)
     scores, flags, defaulted, unparsed = collections.Counter(), collections.Counter(), 0, 0
+    sources = collections.Counter()
     for r in rows:
         for h in r.get("history") or []:
             if not h.get("judged"):
@@ -135,7 +136,9 @@ def feedback_distribution(rows: list[dict]) -> dict:
                 scores[int(h["score"])] += 1
             flags[h["flag"]] += 1
             defaulted += bool(h.get("flag_defaulted"))
+            sources[h.get("flag_source", "default" if h.get("flag_defaulted") else "generated")] += 1
     return {"rounds": dict(sorted(rounds.items())), "scores": dict(sorted(scores.items())),
+            "flag_sources": dict(sorted(sources.items())),
             "flags": {str(k): v for k, v in sorted(flags.items(), key=lambda kv: str(kv[0]))},
             "flags_defaulted": defaulted, "unparsed_scores": unparsed}
 
@@ -276,10 +279,13 @@ def main() -> None:
          "certrag's placeholder price table (0.10 / 0.40 per million input / output tokens), so only ratios between "
          "strategies mean anything. p50 s = per answer, two workers on two cores, one torch thread each.\n"),
         markdown(summaries),
-        ("\nFeedback loop (judge = the same reader; the last round is not judged): rounds "
+        ("\nFeedback loop (judge = the same reader; every round is judged and billed, and the loop stops on a score "
+         "above the threshold, SAGE's 'higher than 9'): rounds "
          f"{fb_dist.get('rounds')}; judge scores {fb_dist.get('scores')} ({fb_dist.get('unparsed_scores')} "
-         f"without a score); flags {fb_dist.get('flags')}, of which {fb_dist.get('flags_defaulted')} defaulted to "
-         "+1 (a low score without a readable flag widens the context).\n" if fb_dist else ""),
+         f"without a score); flags {fb_dist.get('flags')}, read from {fb_dist.get('flag_sources')} (generated: the "
+         "word on the judge's 'Passages:' line; probabilities: the likelier of its flag words there; default: "
+         "neither), of which "
+         f"{fb_dist.get('flags_defaulted')} defaulted to +1.\n" if fb_dist else ""),
         f"\nOne question end to end ({total:.0f} ms): " + ", ".join(
             f"{k} {v:.0f} ms ({v / total:.0%})" for k, v in stages.items()) + ".\n",
         _common.footer(meta)])

@@ -328,7 +328,10 @@ class Segmenter:
     def _finish(self, text: str, units: _Units, probs: np.ndarray) -> list[Chunk]:
         cfg = self.config
         strength = probs.astype(np.float64)
-        window_starts = set(_windows(units.tokens, cfg.window_tokens))
+        # coarse windows are packed inside paragraphs (SAGE: text -> paragraphs -> windows), so a window's edge never
+        # falls inside a paragraph that fits in one window
+        window_starts = {a + w for a, b in _paragraph_groups(text, units, cfg.paragraph_breaks)
+                         for w in _windows(units.tokens[a:b], cfg.window_tokens)}
         cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < self.threshold or (i + 1) in window_starts]
         if cfg.paragraph_breaks:
             paragraph_cuts, headings = _paragraph_joints(text, units)

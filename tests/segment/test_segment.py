@@ -304,3 +304,16 @@ def test_a_heading_joins_the_paragraph_it_heads_not_the_one_before(embedder):
     text = f"{one}\n\nIt is blue and white, like the sea.\n\n{two}"
     chunks = Segmenter(embedder=embedder, config=SegmenterConfig(**never)).split(text)
     assert text[chunks[0].start:chunks[0].end] == one
+
+
+def test_coarse_windows_restart_at_paragraphs(embedder):
+    """SAGE packs its coarse windows inside paragraphs: a window's edge must not cut a paragraph that fits in one
+    window (before, windows ran across the whole text and their edges fell mid-paragraph)."""
+    sentence = "The river carries fine silt from the mountains down to the wide delta every spring. "
+    one = (sentence * 8).strip()
+    two = (sentence.replace("river", "canal") * 8).strip()
+    assert 120 <= embedder.count_tokens([one])[0] <= 200
+    text = f"{one}\n\n{two}"
+    never = dict(min_tokens=8, max_tokens=512, window_tokens=256, threshold=0.0)  # the head never cuts
+    chunks = Segmenter(embedder=embedder, config=SegmenterConfig(**never)).split(text)
+    assert [c.text for c in chunks] == [one, two]
