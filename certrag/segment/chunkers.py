@@ -7,6 +7,7 @@ Every chunker turns a text into a list of Chunk objects whose offsets index the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -280,8 +281,12 @@ class Segmenter:
         from certrag.segment.head import SegmenterHead
 
         self.head = head if head is not None else SegmenterHead.default()
+        own = self.head.embedder_dir
         if embedder is None:
             embedder = self.head.own_embedder() or Embedder.default()
+        elif own is not None and Path(embedder.model_dir).resolve() != own.resolve():
+            raise ValueError(f"embedder: this head was trained with the fine-tuned encoder at {own}; leave embedder "
+                             f"out to load it (got the one at {embedder.model_dir})")
         self.embedder = embedder
         self.config = config or SegmenterConfig()
         self.threshold = (self.config.threshold if self.config.threshold is not None

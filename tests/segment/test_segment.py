@@ -244,6 +244,8 @@ def test_finetuning_the_embedder_with_the_head_lowers_the_loss_and_loads_beside_
     seg = Segmenter(head=SegmenterHead.load(tmp_path / "head.safetensors"))
     assert seg.embedder.model_dir == tmp_path / "head.embedder"
     np.testing.assert_array_equal(seg.embedder.embed(s1[:3]), tuned.embed(s1[:3]))
+    with pytest.raises(ValueError, match="embedder"):  # the bundled encoder would silently score wrongly
+        Segmenter(head=SegmenterHead.load(tmp_path / "head.safetensors"), embedder=embedder)
 
 
 def test_sage_cuts_where_the_topic_changes(embedder, wiki_docs):
