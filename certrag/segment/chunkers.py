@@ -185,12 +185,16 @@ def _paragraph_joints(text: str, units: _Units) -> tuple[list[int], list[int]]:
     return cuts, headings
 
 
-def _paragraph_groups(text: str, units: _Units, paragraph_breaks: bool) -> list[tuple[int, int]]:
-    """Runs of units [a, b) between paragraph cuts (the whole text as one run without paragraph_breaks)."""
+def _paragraph_groups(text: str, units: _Units, paragraph_breaks: bool,
+                      cuts: list[int] | None = None) -> list[tuple[int, int]]:
+    """Runs of units [a, b) between paragraph cuts (the whole text as one run without paragraph_breaks). cuts: the
+    joints _paragraph_joints found, when the caller has them already."""
     n = len(units.spans)
     if not paragraph_breaks or n == 0:
         return [(0, n)] if n else []
-    starts = [0] + [j + 1 for j in _paragraph_joints(text, units)[0]]
+    if cuts is None:
+        cuts = _paragraph_joints(text, units)[0]
+    starts = [0] + [j + 1 for j in cuts]
     return list(zip(starts, starts[1:] + [n]))
 
 
@@ -335,11 +339,11 @@ class Segmenter:
         strength = probs.astype(np.float64)
         # coarse windows are packed inside paragraphs (SAGE: text -> paragraphs -> windows), so a window's edge never
         # falls inside a paragraph that fits in one window
-        window_starts = {a + w for a, b in _paragraph_groups(text, units, cfg.paragraph_breaks)
+        paragraph_cuts, headings = _paragraph_joints(text, units) if cfg.paragraph_breaks else ([], [])
+        window_starts = {a + w for a, b in _paragraph_groups(text, units, cfg.paragraph_breaks, paragraph_cuts)
                          for w in _windows(units.tokens[a:b], cfg.window_tokens)}
         cuts = [0] + [i + 1 for i, p in enumerate(probs) if p < self.threshold or (i + 1) in window_starts]
         if cfg.paragraph_breaks:
-            paragraph_cuts, headings = _paragraph_joints(text, units)
             for j in paragraph_cuts:
                 strength[j] = -1.0  # weaker than any probability: merged across last, split at first
                 cuts.append(j + 1)

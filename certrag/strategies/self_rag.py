@@ -305,23 +305,31 @@ class Critic:
         return merged
 
 
-def deltas_for_rates(llm, questions: Sequence[str], rates: Sequence[float]) -> list[float]:
-    """Adaptive-retrieval thresholds at which the given shares of `questions` retrieve (p_retrieve > delta): the
-    (1 - rate) quantiles of p_retrieve over them, read in one batch. Self-RAG's default 0.2 is set for a model trained
-    with reflection tokens; a reader prompted with label words keeps p_retrieve in a narrow band (0.37-0.74 for the
-    bundled 0.5B reader over 200 NQ-open train questions), so 0.2 retrieves for every question. Choose on questions
-    like yours (bench_selfrag does it on the train split), never on the ones you report."""
+def retrieve_probabilities(llm, questions: Sequence[str]) -> np.ndarray:
+    """p_retrieve = p(Yes) / (p(Yes) + p(No)) of each question before anything is written, read in one batch."""
     questions = list(questions)
     if not questions:
         raise ValueError("questions must not be empty")
-    for r in rates:
-        if not 0.0 < r < 1.0:
-            raise ValueError(f"rates must be in (0, 1); got {r}")
     critic = Critic(llm)
     reads = critic.read([("retrieve", critic.prompt("retrieve", q)) for q in questions])
     p = np.array([retrieve_probability(r) for r in reads], dtype=float)
     if np.isnan(p).any():  # retrieve_probability gave None: no mass on Yes or No
         raise ValueError("the model gives no probability to Yes or No for some question")
+    return p
+
+
+def deltas_for_rates(llm, questions: Sequence[str], rates: Sequence[float], *,
+                     probabilities: np.ndarray | None = None) -> list[float]:
+    """Adaptive-retrieval thresholds at which the given shares of `questions` retrieve (p_retrieve > delta): the
+    (1 - rate) quantiles of p_retrieve over them (`probabilities`, when the caller has read them already).
+    Self-RAG's default 0.2 is set for a model trained with reflection tokens; a reader prompted with label words keeps
+    p_retrieve in a narrow band (0.37-0.74 for the bundled 0.5B reader over 200 NQ-open train questions), so 0.2
+    retrieves for every question. Choose on questions like yours (bench_selfrag does it on the train split), never on
+    the ones you report."""
+    for r in rates:
+        if not 0.0 < r < 1.0:
+            raise ValueError(f"rates must be in (0, 1); got {r}")
+    p = retrieve_probabilities(llm, questions) if probabilities is None else np.asarray(probabilities, dtype=float)
     return [float(np.quantile(p, 1.0 - r, method="higher")) for r in rates]
 
 

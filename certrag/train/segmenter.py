@@ -219,8 +219,12 @@ def _evaluate(head, embedder, threshold: float, mixed, breaks, topic, sequence) 
     return out
 
 
+FINETUNE = {"optimizer": "AdamW", "lr": 2e-5, "head_lr": 1e-4, "batch_size": 32}  # finetune_embedder's defaults
+
+
 def finetune_embedder(embedder, head, s1: list[str], s2: list[str], y: np.ndarray, out_dir: Path, *,
-                      epochs: int = 1, lr: float = 2e-5, head_lr: float = 1e-4, batch_size: int = 32,
+                      epochs: int = 1, lr: float = FINETUNE["lr"], head_lr: float = FINETUNE["head_lr"],
+                      batch_size: int = FINETUNE["batch_size"],
                       max_length: int = 128, seed: int = 0, progress: bool = True):
     """Trains the encoder and the head together on the pairs (binary cross-entropy on p(same chunk) over
     mean-pooled, normalised embeddings, as the Embedder computes them), starting from `embedder` and `head`.
@@ -347,8 +351,7 @@ def train_segmenter(out: str | Path, *, sources: tuple[str, ...] = ("wiki", "pyd
         tuned, tuned_head = finetune_embedder(embedder, head, s1, s2, y, emb_dir, epochs=finetune_epochs, seed=seed,
                                               progress=progress)
         tuned_threshold, tuned_val_f1 = threshold_for(tuned_head, tuned)
-        finetuned = {"embedder_dir": emb_dir.name, "epochs": finetune_epochs, "lr": 2e-5, "head_lr": 1e-4,
-                     "batch_size": 32, "optimizer": "AdamW", "threshold": tuned_threshold,
+        finetuned = {"embedder_dir": emb_dir.name, "epochs": finetune_epochs, **FINETUNE, "threshold": tuned_threshold,
                      "validation_in_order_f1": tuned_val_f1,
                      "held_out": _evaluate(tuned_head, tuned, tuned_threshold, held["mixed"], held["breaks"],
                                            held["topic"], held["sequence"])}
