@@ -169,3 +169,16 @@ def test_a_distilled_reranker_keeps_evenly_spaced_layers_ending_with_the_last():
         kept_layers(6, 7)
     res = CliRunner().invoke(main, ["train-reranker", "--layers", "0", "--out", "unused"])
     assert res.exit_code != 0 and "--layers" in res.output
+
+
+def test_separation_auroc_counts_gold_above_the_best_answer_free_candidate_across_questions():
+    from certrag.train.reranker import separation_auroc
+
+    scores = [np.array([5.0, 9.0, 1.0]), np.array([2.0, 3.0, 8.0]), np.array([7.0, 6.0, 0.0])]
+    golds = [0, 2, -1]  # the third question has no gold candidate
+    free = [np.array([False, False, True]),  # candidate 1 holds the answer: not answer-free
+            np.array([True, True, False]), np.array([True, True, True])]
+    # golds 5, 8 against the best answer-free 1, 3, 7: pairs won 5>1, 5>3, 8>1, 8>3, 8>7 of 6
+    assert separation_auroc(scores, golds, free) == pytest.approx(5 / 6)
+    with pytest.raises(ValueError, match="answer-free"):
+        separation_auroc(scores, golds, [np.zeros(3, bool)] * 3)
