@@ -726,13 +726,9 @@ def train_factuality_cmd(model: str, questions: int, k: int, out: Path | None, e
               help="Keep this many encoder layers (evenly spaced, ending with the last): a smaller, faster reranker.")
 @click.option("--evals-per-epoch", default=1, show_default=True,
               help="Validation passes per epoch; the best one is kept.")
-@click.option("--pointwise", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
-              help="Weight of a pointwise term (gold passage above one learnt offset, negatives below it) that makes "
-                   "scores comparable across questions, for abstention; the checkpoint is then chosen on separation.")
-@click.option("--name", default=None, help="The name on the card (default: from the layers and --pointwise).")
 def train_reranker_cmd(out: Path, epochs: int, negatives: int, lr: float, max_questions: int | None,
                        time_budget: float | None, seed: int, teacher: Path | None, layers: int | None,
-                       evals_per_epoch: int, pointwise: float, name: str | None) -> None:
+                       evals_per_epoch: int) -> None:
     """Train the fused cross-encoder reranker on the NQ-open train split (never calibration or test)."""
     from certrag.train.reranker import train_reranker
 
@@ -742,7 +738,7 @@ def train_reranker_cmd(out: Path, epochs: int, negatives: int, lr: float, max_qu
             raise click.BadParameter("must be at least 1", param_hint=option)
     card = train_reranker(out, epochs=epochs, negatives=negatives, lr=lr, max_questions=max_questions,
                           time_budget_s=time_budget, seed=seed, teacher=teacher, layers=layers,
-                          evals_per_epoch=evals_per_epoch, pointwise=pointwise, name=name)
+                          evals_per_epoch=evals_per_epoch)
     held = card["held_out"]
     click.echo(f"saved {out}: validation MRR@10 {held['mrr10_reranker']:.4f} against the bi-encoder's "
                f"{held['mrr10_bi_encoder']:.4f}; separation AUROC {held['separation_auroc']:.4f} "

@@ -15,13 +15,10 @@ last, whose output the classifier reads), its fusion weight from the teacher's c
 label and the teacher's fused scores over the same group: loss = cross-entropy(gold) + KL(teacher || student) of
 the group's softmax. The teacher's scores are computed once, before training.
 
-Pointwise (pointwise=lambda > 0): a listwise loss fixes only the order of one question's candidates, so a score of 12
-can mean "holds the answer" for one question and "on the subject, no answer" for another -- and certification compares
-the best score of every question with one threshold. The pointwise term adds lambda * binary cross-entropy of each
-candidate's fused score minus a learnt offset b, labelled 1 for the gold passage and 0 for its hard negatives (the two
-sides weighted equally), which puts "holds the answer" above one offset for every question. Its checkpoint is chosen on
-the validation questions' separation: the AUROC of the gold passage's fused score against the best answer-free
-candidate's, across questions (what an abstention threshold sees; MRR is reported beside it).
+Held out, beside MRR@10, the separation: the AUROC of the gold passage's fused score against the best answer-free
+candidate's, across validation questions -- what an abstention threshold on the best score sees (a listwise loss
+fixes only the order within one question). A pointwise term (the gold above one learnt offset, the negatives below)
+was tried for it and lowered it (0.892 -> 0.884, commit a210d5f; benchmarks/results/reranker_l3_pointwise_card.json).
 """
 
 from __future__ import annotations
@@ -91,7 +88,7 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                    lr: float = 3e-5, max_length: int = 192, dense_weight: float = 20.0, val_fraction: float = 0.15,
                    seed: int = 0, max_questions: int | None = None, time_budget_s: float | None = None,
                    progress: bool = True, teacher: str | os.PathLike | None = None, layers: int | None = None,
-                   evals_per_epoch: int = 1, pointwise: float = 0.0, name: str | None = None) -> dict:
+                   evals_per_epoch: int = 1) -> dict:
     from tqdm.auto import tqdm
 
     from certrag.backends import import_torch
@@ -104,8 +101,6 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         raise ValueError(f"layers must be a positive integer; got {layers!r}")
     if isinstance(evals_per_epoch, bool) or not isinstance(evals_per_epoch, int) or evals_per_epoch < 1:
         raise ValueError(f"evals_per_epoch must be a positive integer; got {evals_per_epoch!r}")
-    if isinstance(pointwise, bool) or not isinstance(pointwise, (int, float)) or not 0 <= pointwise < float("inf"):
-        raise ValueError(f"pointwise must be a finite number >= 0; got {pointwise!r}")
     teacher_card = None
     if teacher is not None:
         teacher = Path(teacher)
@@ -169,7 +164,6 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
     if layers is not None and layers > total_layers:  # said before the teacher's scores take minutes
         raise ValueError(f"layers must be at most the model's {total_layers}; got {layers}")
     w = torch.nn.Parameter(torch.tensor(float(dense_weight)))
-    offset = torch.nn.Parameter(torch.tensor(0.0))  # the pointwise term's b; set from the data below
     tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
     tokenizer.enable_truncation(max_length, strategy="only_second")
     tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
@@ -208,34 +202,21 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         return (mrr_at_10(fused, golds), mrr_at_10(dense, golds),
                 separation_auroc(fused, golds, [v[4] for v in val]))
 
-    def merit(mrr: float, separation: float) -> float:
-        return separation if pointwise else mrr
-
-    if pointwise:
-        # b starts halfway between the gold and the best negative's median fused scores of a slice of the groups
-        model.eval()
-        with torch.inference_mode():
-            sample = [(forward(q, p) + float(w.detach()) * torch.from_numpy(d)).numpy() for q, p, d in groups[:64]]
-        model.train()
-        offset.data.fill_(float(np.median([s[0] for s in sample]) + np.median([s[1:].max() for s in sample])) / 2)
-    opt = torch.optim.AdamW([{"params": model.parameters(), "lr": lr},
-                             {"params": [w, offset], "lr": 1e-2, "weight_decay": 0.0}], weight_decay=0.01)
+    opt = torch.optim.AdamW([{"params": model.parameters(), "lr": lr}, {"params": [w], "lr": 1e-2}],
+                            weight_decay=0.01)
     total_steps = epochs * len(groups)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda step: min(1.0, (step + 1) / max(1, total_steps // 10)) * max(0.0, 1 - step / max(1, total_steps)))
     mrr0, dense_mrr, sep0 = evaluate()
     history = [{"step": 0, "val_mrr10": mrr0, "dense_mrr10": dense_mrr, "val_separation_auroc": sep0,
                 "dense_weight": float(w.detach())}]
-    best = (merit(mrr0, sep0), 0, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w.detach()),
-            mrr0, sep0, float(offset.detach()))
+    best = (mrr0, 0, {k: v.detach().clone() for k, v in model.state_dict().items()}, float(w.detach()), sep0)
     log.info("step 0: validation MRR@10 %.4f (bi-encoder %.4f), separation AUROC %.4f", mrr0, dense_mrr, sep0)
     step, stopped = 0, False
     model.train()
     order = list(range(len(groups)))
     checkpoints = {round(len(groups) * (k + 1) / evals_per_epoch) for k in range(evals_per_epoch)}
     running = 0.0
-    labels = torch.zeros(negatives + 1)
-    labels[0] = 1.0
     for epoch in range(epochs):
         rng.shuffle(order)
         bar = tqdm(order, desc=f"reranker epoch {epoch + 1}/{epochs}", disable=not progress)
@@ -247,11 +228,6 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                 loss = loss + torch.nn.functional.kl_div(torch.log_softmax(scores, 0),
                                                          torch.log_softmax(targets[g], 0), log_target=True,
                                                          reduction="sum")
-            if pointwise:
-                n_neg = len(scores) - 1  # the gold first, then its negatives: each side weighs half
-                weights = torch.cat([torch.full((1,), 0.5), torch.full((n_neg,), 0.5 / n_neg)])
-                loss = loss + pointwise * (weights * torch.nn.functional.binary_cross_entropy_with_logits(
-                    scores - offset, labels[:len(scores)], reduction="none")).sum()
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -266,12 +242,12 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                 mrr, _, sep = evaluate()
                 history.append({"step": step, "epoch": round(epoch + done / len(groups), 3), "val_mrr10": mrr,
                                 "val_separation_auroc": sep, "dense_weight": float(w.detach()),
-                                "train_loss_ema": running} | ({"offset": float(offset.detach())} if pointwise else {}))
+                                "train_loss_ema": running})
                 log.info("step %d: validation MRR@10 %.4f (bi-encoder %.4f), separation AUROC %.4f", step, mrr,
                          dense_mrr, sep)
-                if merit(mrr, sep) > best[0]:
-                    best = (merit(mrr, sep), step, {k: v.detach().clone() for k, v in model.state_dict().items()},
-                            float(w.detach()), mrr, sep, float(offset.detach()))
+                if mrr > best[0]:
+                    best = (mrr, step, {k: v.detach().clone() for k, v in model.state_dict().items()},
+                            float(w.detach()), sep)
             if stopped:
                 break
         if stopped:
@@ -296,18 +272,9 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                   f"{kept if kept is not None else list(range(n_layers))} kept, its fusion weight to start")
         remake = (f"certrag train-reranker --out {out} --teacher {teacher} --layers {n_layers} --epochs {epochs} "
                   f"--negatives {negatives} --lr {lr} --evals-per-epoch {evals_per_epoch} --seed {seed}")
-    if pointwise:
-        remake += f" --pointwise {pointwise}"
-    if name is None:
-        name = (DEFAULT_RERANKER if teacher is None and kept is None and not pointwise
-                else f"certrag-minilm-l{n_layers}{'-pointwise' if pointwise else ''}-cross-encoder")
-    else:
-        remake += f" --name {name}"
-    loss = "softmax cross-entropy over each group" + (
-        "" if teacher is None else " + KL(teacher || student) of the group's softmax") + (
-        f" + {pointwise} * BCE(fused - offset; gold 1, negatives 0; each side weighs half)" if pointwise else "")
     card = {
-        "name": name,
+        "name": DEFAULT_RERANKER if teacher is None and kept is None
+        else f"certrag-minilm-l{n_layers}-cross-encoder",
         "kind": "cross-encoder reranker fused with the dense score: ce(q, p) + dense_weight * cos(q, p)",
         "base_model": origin,
         "layers": n_layers,
@@ -319,11 +286,11 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                  "validation_questions": len(val), "validation_rule": f"sha256('rerank-val:' + q) < {val_fraction}"},
         "training": {"optimizer": "AdamW", "lr": lr, "dense_weight_lr": 1e-2, "warmup": "10% linear, then linear decay",
                      "epochs": epochs, "steps": step, "selected_step": best[1], "max_length": max_length,
-                     "loss": loss, "seed": seed, "evals_per_epoch": evals_per_epoch,
-                     "selected_on": "validation separation AUROC" if pointwise else "validation MRR@10",
-                     "stopped_by_time_budget": stopped} | ({"pointwise": pointwise, "offset": best[6]}
-                                                           if pointwise else {}),
-        "held_out": {"mrr10_reranker": best[4], "mrr10_bi_encoder": dense_mrr, "separation_auroc": best[5],
+                     "loss": "softmax cross-entropy over each group" + (
+                         "" if teacher is None else " + KL(teacher || student) of the group's softmax"),
+                     "seed": seed, "evals_per_epoch": evals_per_epoch,
+                     "stopped_by_time_budget": stopped},
+        "held_out": {"mrr10_reranker": best[0], "mrr10_bi_encoder": dense_mrr, "separation_auroc": best[4],
                      "separation_auroc_at_start": sep0,
                      "note": "validation questions from the train split, never calibration or test"},
         "history": history,
