@@ -107,7 +107,7 @@ def main() -> None:
     from certrag.data.nq import load_nq_open
     from certrag.home import certrag_home
     from certrag.train.factuality import (LABEL_RULE, auroc, choose, collect, collect_engine, combined_features,
-                                          fit, fit_stacked, load_examples, save_examples)
+                                          fit, fit_stacked, load_examples, protocol_top_scores, save_examples)
 
     state = {}
 
@@ -119,22 +119,30 @@ def main() -> None:
         return state["llm"]
 
     from certrag.llm.weights import ARITHMETIC
+    from certrag.rerank import DEFAULT_RERANKER
 
     def examples(split: str, n: int, kind: str, where: Path) -> dict:
         items = wiki_items(n) if kind == "wiki" else load_nq_open(split=split)[:n]
         asked = hashlib.sha256("\n".join(it.question for it in items).encode()).hexdigest()[:16]
         meta = {"model": args.model, "weights": args.weights, "split": split, "questions": len(items), "k": 3,
-                "top_rerank": "fused", "kind": kind, "question_hash": asked, "arithmetic": ARITHMETIC[args.weights]}
+                "top_rerank": "fused", "kind": kind, "question_hash": asked, "arithmetic": ARITHMETIC[args.weights],
+                "reranker": DEFAULT_RERANKER}  # it ranks the protocol's distractors and the engine's passages
         if kind != "protocol":  # the engine's answers depend on its selection: a changed default remakes them
             from certrag.config import EngineConfig
 
             meta["selection"] = json.dumps(dataclasses.asdict(EngineConfig().selection), sort_keys=True)
         path = where / f"factuality-{kind}-{split}-{args.model}-{args.weights}-{n}.safetensors"
+        from certrag.rerank import CrossEncoderReranker
+
         if path.exists():
             data, got = load_examples(path)
             if got == meta:
                 return data
-        from certrag.rerank import CrossEncoderReranker
+            if kind == "protocol" and {**got, "reranker": DEFAULT_RERANKER} == meta:
+                # the protocol's passages and answers do not depend on the reranker: only their best score does
+                data["top_rerank"] = protocol_top_scores(items, CrossEncoderReranker.default(), k=3)
+                save_examples(path, data, meta)
+                return data
 
         if kind == "protocol":
             data = collect(llm(), items, k=3, reranker=CrossEncoderReranker.default())
@@ -225,7 +233,8 @@ def main() -> None:
     card = {"data": f"{args.model} ({args.weights}) answers, greedy, at most 24 tokens, to the first "
                     f"{args.train_questions} NQ-open train questions twice: from 3 passages (the gold one for half, "
                     "MiniLM-nearest other gold passages as distractors) and from the engine's own retrieval and "
-                    "selection (bench_retrieval's store)", "weights": args.weights, "label": LABEL_RULE,
+                    f"selection (bench_retrieval's store), reranked by {DEFAULT_RERANKER}", "weights": args.weights,
+            "reranker": DEFAULT_RERANKER, "label": LABEL_RULE,
             "positives": int(train["label"].sum()), "examples": int(len(train["label"])),
             "remake": f"python benchmarks/bench_factuality.py --ship --model {args.model} --weights {args.weights} "
                       f"--train-questions {args.train_questions}",

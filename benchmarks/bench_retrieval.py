@@ -102,7 +102,7 @@ def main() -> None:
         rec, tok, kept = evaluate(AutocutSelector(jumps=jumps, max_k=10))
         curve.append({"what": "selection", "method": f"autocut jumps={jumps}", "family": "autocut",
                       "gold_recall": rec, "context_tokens": tok, "chunks": kept})
-    P_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.92, 0.95, 0.97)
+    P_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.92, 0.93, 0.94, 0.95, 0.96, 0.97, 0.98)
     for p_mass in P_GRID:
         rec, tok, kept = evaluate(TopPSelector(p=p_mass, max_k=10))
         curve.append({"what": "selection", "method": f"top-p p={p_mass}", "family": "topp", "gold_recall": rec,
@@ -125,12 +125,23 @@ def main() -> None:
                 + [SelectionConfig(method="gradient", g=g, min_k=mk, max_k=10) for g, mk in grid]
                 + [SelectionConfig(method="autocut", jumps=j, max_k=10) for j in (1, 2)]
                 + [SelectionConfig(method="topp", p=p_mass, max_k=10) for p_mass in P_GRID])
-    t_top5 = evaluate(TopKSelector(k=5), train_results, train_golds)
-    on_train = [(cfg, *evaluate(cfg.make(), train_results, train_golds)) for cfg in settings]
+    # Only the train questions the reranker never learned from (its validation slice): on the rest its ranking is
+    # better than on unseen questions (the 3-layer one: top-5 recall 0.985 there against 0.974 on test), so a
+    # threshold chosen there asks for more recall than unseen questions can give.
+    from certrag.train.reranker import held_out
 
-    def cheapest(rows):
-        reach = [t for t in rows if t[1] >= t_top5[0] - 1e-9]
+    unseen = [i for i, it in enumerate(train_items) if held_out(it.question)]
+    pick_results, pick_golds = [train_results[i] for i in unseen], [train_golds[i] for i in unseen]
+    t_top5 = evaluate(TopKSelector(k=5), pick_results, pick_golds)
+    on_train = [(cfg, *evaluate(cfg.make(), pick_results, pick_golds)) for cfg in settings]
+    all_top5 = evaluate(TopKSelector(k=5), train_results, train_golds)
+
+    def cheapest(rows, floor=None):
+        floor = t_top5[0] if floor is None else floor
+        reach = [t for t in rows if t[1] >= floor - 1e-9]
         return min(reach, key=lambda t: t[2]) if reach else max(rows, key=lambda t: t[1])
+
+    every = cheapest([(cfg, *evaluate(cfg.make(), train_results, train_golds)) for cfg in settings], all_top5[0])
 
     def label(cfg):
         return {"topk": f"top-{cfg.k}", "gradient": f"gradient g={cfg.g} min_k={cfg.min_k}",
@@ -152,7 +163,8 @@ def main() -> None:
                            "train_top5_recall": t_top5[0], "train_top5_tokens": t_top5[1],
                            "test_recall": t["gold_recall"], "test_tokens": t["context_tokens"],
                            "default": label(default_sel), "default_test_recall": d_rec,
-                           "default_test_tokens": d_tok})
+                           "default_test_tokens": d_tok, "train_questions": len(unseen),
+                           "chosen_on_all_train": label(every[0]), "all_train_top5_recall": all_top5[0]})
 
     # Latency of retrieve() at 1 and 16 concurrent callers.
     timing_note = ""
@@ -221,10 +233,12 @@ def main() -> None:
         "context tokens sent:\n", f"![gold recall against context tokens, every selector](results/{plot.name})\n",
         _common.markdown_table(["selector", "gold recall", "mean tokens", "mean chunks"],
                                [[c["method"], c["gold_recall"], c["context_tokens"], c["chunks"]] for c in curve]),
-        f"\nChosen on the train split ({len(train_items)} questions, the same store; train top-5: recall "
-        f"{t_top5[0]:.3f} at {t_top5[1]:.0f} tokens), the cheapest setting whose train recall reaches top-5's, and "
-        f"its test numbers (test top-5: {top5['gold_recall']:.3f} at {top5['context_tokens']:.0f} tokens; target: "
-        "recall >= top-5's at <= 70% of its tokens):\n",
+        f"\nChosen on the train split's {len(unseen)} questions the reranker never learned from (its validation "
+        f"slice; the same store; there top-5: recall {t_top5[0]:.3f} at {t_top5[1]:.0f} tokens), the cheapest "
+        "setting whose recall reaches top-5's, and its test numbers (test top-5: "
+        f"{top5['gold_recall']:.3f} at {top5['context_tokens']:.0f} tokens; target: recall >= top-5's at <= 70% of "
+        f"its tokens). On all {len(train_items)} train questions, where the reranker ranks from memory (top-5 recall "
+        f"{all_top5[0]:.3f}), the same rule would pick {label(every[0])}.\n",
         _common.markdown_table(["among", "setting", "train recall", "train tokens", "test recall", "test tokens",
                                 "test tokens / top-5's", "target met"],
                                [[t["family"], t["setting"], t["train_recall"], t["train_tokens"], t["test_recall"],

@@ -72,6 +72,17 @@ def _backend_of(model) -> dict | None:
     return backend.as_dict() if hasattr(backend, "as_dict") else None
 
 
+def _with_reranker(config: dict, models: dict) -> dict:
+    """A stored config as it was built: one saved before the reranker was a config field names none, and was reranked
+    by the one reranker there was then (the 6-layer one; its name is in the store's models), not today's default."""
+    from certrag.rerank import L6_RERANKER, PACKAGE_RERANKERS
+
+    if not isinstance(config, dict) or "reranker" in config:
+        return config
+    recorded = models.get("reranker") if isinstance(models, dict) else None
+    return {**config, "reranker": recorded if recorded in PACKAGE_RERANKERS else L6_RERANKER}
+
+
 class Engine:
     """Open with Engine.build(...) or Engine.open(...); use as a context manager or call close()."""
 
@@ -202,7 +213,7 @@ class Engine:
 
                 data.index = RayShardedIndex(data.index_paths, data.manifest.get("index", {}).get("live"))
             try:
-                config = EngineConfig.from_dict(data.config)
+                config = EngineConfig.from_dict(_with_reranker(data.config, data.models))
             except (ValueError, TypeError) as exc:
                 raise StoreError(f"{path}: the stored config is damaged ({exc})") from None
             stages = _stages(config, stages, embedder, reranker)

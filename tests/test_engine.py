@@ -162,6 +162,22 @@ def test_newer_or_damaged_stores_are_refused(store):
         Engine.open(path, read_only=True)
 
 
+def test_a_store_saved_before_the_reranker_was_chosen_keeps_the_reranker_it_was_built_with(store):
+    """Such a store's config names no reranker, and it was reranked by the 6-layer one (the only one then); opening it
+    must not move it to today's default (3 layers), whose scores its own calibration was not made on."""
+    from certrag.rerank import DEFAULT_RERANKER, L6_RERANKER
+
+    engine, path = store
+    engine.close()
+    manifest = json.loads((_current(path) / "manifest.json").read_text())
+    assert manifest["config"]["reranker"] == DEFAULT_RERANKER != L6_RERANKER
+    del manifest["config"]["reranker"]
+    manifest["models"]["reranker"] = L6_RERANKER
+    _rewrite_manifest(path, manifest)
+    with Engine.open(path, read_only=True) as old:
+        assert old.config.reranker == L6_RERANKER
+
+
 @pytest.mark.slow  # starts a subprocess
 def test_a_kill_during_a_write_leaves_a_store_that_opens(tmp_path, leads):
     path = tmp_path / "store"

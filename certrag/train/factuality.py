@@ -89,21 +89,28 @@ def collect(llm, items, *, k: int = 3, max_new_tokens: int = 24, reranker=None, 
     """Generates an answer per item with lookback recording; returns arrays: chunks, full (n, layers*heads),
     mean_logprob, top_rerank (n,: the best *fused* reranker score of the passages, the score the engine ranks by),
     label, with_gold (n,), and the predictions."""
+    sets = nq_passage_sets(items, k=k)
+    tops = protocol_top_scores(items, reranker, k=k, sets=sets)
+    return _answer_all(llm, [(it, passages, int(with_gold), top)
+                             for it, (passages, with_gold), top in zip(items, sets, tops)], max_new_tokens, progress)
+
+
+def protocol_top_scores(items, reranker, *, k: int = 3, sets: list | None = None) -> np.ndarray:
+    """The best fused reranker score of each item's protocol passages (collect's top_rerank; NaN without a
+    reranker). The passages do not depend on the reranker, so neither do the answers: a new reranker needs only
+    these. sets: nq_passage_sets(items, k), when the caller has them."""
     from certrag.embed import Embedder, EmbeddingCache
     from certrag.home import certrag_home
 
-    sets = nq_passage_sets(items, k=k)
-    embedder = (Embedder(cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"))
-                if reranker is not None else None)
-
-    def top_score(question: str, passages: list[str]) -> float:
-        if reranker is None:
-            return float("nan")
-        q, p = embedder.embed([question]), embedder.embed(passages)
-        return float(reranker.score(question, passages, (p @ q[0]).astype(np.float32)).max())
-
-    return _answer_all(llm, [(it, passages, int(with_gold), top_score(it.question, passages))
-                             for it, (passages, with_gold) in zip(items, sets)], max_new_tokens, progress)
+    if reranker is None:
+        return np.full(len(items), np.nan, dtype=np.float32)
+    sets = nq_passage_sets(items, k=k) if sets is None else sets
+    embedder = Embedder(cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    tops = []
+    for it, (passages, _) in zip(items, sets):
+        q, p = embedder.embed([it.question]), embedder.embed(passages)
+        tops.append(float(reranker.score(it.question, passages, (p @ q[0]).astype(np.float32)).max()))
+    return np.asarray(tops, dtype=np.float32)
 
 
 def collect_engine(engine, llm, items, *, max_new_tokens: int = 24, progress: bool = True) -> dict:

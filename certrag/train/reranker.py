@@ -37,7 +37,7 @@ import numpy as np
 
 from certrag.atomic import publish_folder
 from certrag.data.splits import stable_fraction
-from certrag.rerank import DEFAULT_RERANKER
+from certrag.rerank import L6_RERANKER
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,13 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def _holdout(question: str, fraction: float) -> bool:
+VAL_FRACTION = 0.15  # the train questions a reranker holds out to choose its epoch (both shipped ones: this rule)
+
+
+def held_out(question: str, fraction: float = VAL_FRACTION) -> bool:
+    """Whether a train-split question is in the rerankers' validation slice: never learned from, so what is tuned
+    on the reranker's scores (a selection threshold) can be chosen on it without the reranker's memory of the rest
+    of train flattering it."""
     return stable_fraction("rerank-val:" + question) < fraction
 
 
@@ -85,7 +91,7 @@ def separation_auroc(score_lists: list[np.ndarray], gold_positions: list[int],
 
 
 def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: int = 30, epochs: int = 2,
-                   lr: float = 3e-5, max_length: int = 192, dense_weight: float = 20.0, val_fraction: float = 0.15,
+                   lr: float = 3e-5, max_length: int = 192, dense_weight: float = 20.0, val_fraction: float = VAL_FRACTION,
                    seed: int = 0, max_questions: int | None = None, time_budget_s: float | None = None,
                    progress: bool = True, teacher: str | os.PathLike | None = None, layers: int | None = None,
                    evals_per_epoch: int = 1) -> dict:
@@ -137,7 +143,7 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         top = np.argsort(-scores)[:candidates]
         gold = position[it.gold_text]
         answers = [_normalise(a) for a in it.answers if _normalise(a)]
-        if _holdout(it.question, val_fraction):
+        if held_out(it.question, val_fraction):
             cand = list(top) if gold in top else list(top[:-1]) + [gold]
             free = np.array([i != gold and not any(a in _normalise(corpus[i]) for a in answers) for i in cand])
             val.append((it.question, [corpus[i] for i in cand], scores[cand].astype(np.float32), cand.index(gold),
@@ -273,7 +279,7 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         remake = (f"certrag train-reranker --out {out} --teacher {teacher} --layers {n_layers} --epochs {epochs} "
                   f"--negatives {negatives} --lr {lr} --evals-per-epoch {evals_per_epoch} --seed {seed}")
     card = {
-        "name": DEFAULT_RERANKER if teacher is None and kept is None
+        "name": L6_RERANKER if teacher is None and kept is None
         else f"certrag-minilm-l{n_layers}-cross-encoder",
         "kind": "cross-encoder reranker fused with the dense score: ce(q, p) + dense_weight * cos(q, p)",
         "base_model": origin,

@@ -10,7 +10,8 @@ issue 16 allows on test, for the difference between splits). The reranker was tr
 train ranking is better than its test one: the loss counted here is an over-estimate, and the rule errs on the side
 of reranking.
 
-    python -m certrag.train.skip_rule            # fits and writes the rule into certrag/reranker/card.json
+    python -m certrag.train.skip_rule            # fits and writes the rule into the default reranker's card
+    python -m certrag.train.skip_rule --reranker certrag/reranker    # the 6-layer one's
 """
 
 from __future__ import annotations
