@@ -40,6 +40,8 @@ def decode_attention(q: npt.NDArray[np.float32], k_new: npt.NDArray[np.float32],
                      num_threads: int = 1
                      ) -> tuple[npt.NDArray[np.float32], list[npt.NDArray[np.float32] | None]]:
     """One decode step's grouped-query attention for a batch of sequences, each over its own cache."""
+def decode_attention_kernel(head_dim: int) -> str:
+    """'avx512', 'avx2' or 'scalar': the kernel decode_attention runs for this head size on this CPU."""
 
 class PairScorer:
     """SAGE's segmentation head, fused: p(same chunk) of every adjacent pair of sentence embeddings."""

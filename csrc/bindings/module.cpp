@@ -355,6 +355,12 @@ PYBIND11_MODULE(_core, m) {
       "masses): masses[b] is None or float32 (heads, n) with the attention weights summed over spans[b]'s [begin, "
       "end) position ranges.");
   m.def(
+      "decode_attention_kernel",
+      [](std::size_t head_dim) { return std::string(certrag::decode_attention_kernel(head_dim)); },
+      py::arg("head_dim"),
+      "The kernel decode_attention runs for this head size on this CPU (capped by CERTRAG_SIMD): 'avx512' "
+      "(head_dim a multiple of 16), 'avx2' (a multiple of 8, AVX2 + FMA) or 'scalar'.");
+  m.def(
       "q8_paths", [] {
         py::list out;
         for (auto p : {certrag::Q8Path::scalar, certrag::Q8Path::avx2, certrag::Q8Path::vnni})

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -126,8 +127,122 @@ __attribute__((target("avx512f"))) void one_head_avx512(std::size_t D, std::size
   }
 }
 
-bool has_avx512() { return distance_kernels().level == SimdLevel::avx512; }  // capped by CERTRAG_SIMD
+// The same e^x over 8 lanes (AVX2 + FMA): the arguments below -87 give 0.
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
+  __m128 f = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  f = _mm_hadd_ps(f, f);
+  return _mm_cvtss_f32(_mm_hadd_ps(f, f));
+}
+
+// The lanes of a tail of m < 8 floats: all bits set for the first m.
+__attribute__((target("avx2,fma"))) inline __m256i tail_mask(std::size_t m) {
+  static const std::int32_t bits[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + 8 - m));
+}
+
+// The AVX2 form of one_head for head_dim a multiple of 8 (up to 256), the AVX-512 form's steps on 8 lanes: a key is
+// loaded once per query head, four keys' dot products are reduced together, the weighted values summed in
+// registers. CPUs without AVX-512 (most desktop and many cloud x86 machines) ran the portable loop before.
+__attribute__((target("avx2,fma"))) void one_head_avx2(std::size_t D, std::size_t group, std::size_t n,
+                                                       const float* qh0, const float* K, const float* V,
+                                                       float scale, float* w, float* out) {
+  const std::size_t C = D / 8;
+  for (std::size_t g = 0; g < group; ++g) {
+    const float* qh = qh0 + g * D;
+    __m256 qv[32];
+    for (std::size_t c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(qh + c * 8);
+    float* wg = w + g * n;
+    std::size_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      __m128 f[4];
+      for (int u = 0; u < 4; ++u) {
+        const float* k = K + (t + u) * D;
+        __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+        for (std::size_t c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + c * 8), a);
+        f[u] = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+      }
+      const __m128 s01 = _mm_hadd_ps(f[0], f[1]), s23 = _mm_hadd_ps(f[2], f[3]);
+      _mm_storeu_ps(wg + t, _mm_mul_ps(_mm_hadd_ps(s01, s23), _mm_set1_ps(scale)));
+    }
+    for (; t < n; ++t) {
+      const float* k = K + t * D;
+      __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+      for (std::size_t c = 1; c < C; ++c) a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k + c * 8), a);
+      wg[t] = hsum_avx2(a) * scale;
+    }
+    // softmax over the n scores
+    float m = -INFINITY;
+    {
+      __m256 mx = _mm256_set1_ps(-INFINITY);
+      for (t = 0; t + 8 <= n; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(wg + t));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mx);
+      for (float v : lanes) m = std::max(m, v);
+      for (; t < n; ++t) m = std::max(m, wg[t]);
+    }
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(wg + t), mv));
+      _mm256_storeu_ps(wg + t, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    if (t < n) {
+      const __m256i km = tail_mask(n - t);
+      const __m256 e = _mm256_and_ps(exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(wg + t, km), mv)),
+                                     _mm256_castsi256_ps(km));
+      _mm256_maskstore_ps(wg + t, km, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / hsum_avx2(sv));
+    for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(wg + t, _mm256_mul_ps(_mm256_loadu_ps(wg + t), inv));
+    if (t < n) {
+      const __m256i km = tail_mask(n - t);
+      _mm256_maskstore_ps(wg + t, km, _mm256_mul_ps(_mm256_maskload_ps(wg + t, km), inv));
+    }
+    // weights times values, the output in registers
+    __m256 o[32];
+    for (std::size_t c = 0; c < C; ++c) o[c] = _mm256_setzero_ps();
+    for (t = 0; t < n; ++t) {
+      const __m256 wt = _mm256_set1_ps(wg[t]);
+      const float* v = V + t * D;
+      for (std::size_t c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(v + c * 8), o[c]);
+    }
+    for (std::size_t c = 0; c < C; ++c) _mm256_storeu_ps(out + g * D + c * 8, o[c]);
+  }
+}
+
 #endif
+
+enum class Kernel { scalar, avx2, avx512 };
+
+Kernel kernel_for(std::size_t D) {
+#ifdef CERTRAG_X86
+  static const SimdLevel level = distance_kernels().level;  // the CPU's best, capped by CERTRAG_SIMD
+  if (level == SimdLevel::avx512 && D % 16 == 0 && D <= 256) return Kernel::avx512;
+  if (level >= SimdLevel::avx2 && D % 8 == 0 && D <= 256) return Kernel::avx2;
+#endif
+  return Kernel::scalar;
+}
 
 // Portable form: the same steps one score at a time.
 void one_head_scalar(std::size_t D, std::size_t group, std::size_t n, const float* qh0, const float* K,
@@ -165,12 +280,14 @@ void one_head(const AttentionShape& s, std::size_t b, std::size_t h, const float
   const float* qh = q + (b * s.heads + h * group) * D;
   float* o = out + b * s.heads * D + h * group * D;
 #ifdef CERTRAG_X86
-  static const bool simd = has_avx512();
-  if (simd && D % 16 == 0 && D <= 256)
-    one_head_avx512(D, group, n, qh, K, V, scale, w.data(), o);
-  else
+  switch (kernel_for(D)) {
+    case Kernel::avx512: one_head_avx512(D, group, n, qh, K, V, scale, w.data(), o); break;
+    case Kernel::avx2: one_head_avx2(D, group, n, qh, K, V, scale, w.data(), o); break;
+    default: one_head_scalar(D, group, n, qh, K, V, scale, w.data(), o);
+  }
+#else
+  one_head_scalar(D, group, n, qh, K, V, scale, w.data(), o);
 #endif
-    one_head_scalar(D, group, n, qh, K, V, scale, w.data(), o);
   for (std::size_t g = 0; g < group; ++g) {
     const std::size_t head = h * group + g;
     const float* wg = w.data() + g * n;
@@ -185,6 +302,14 @@ void one_head(const AttentionShape& s, std::size_t b, std::size_t h, const float
 }
 
 }  // namespace
+
+const char* decode_attention_kernel(std::size_t head_dim) {
+  switch (kernel_for(head_dim)) {
+    case Kernel::avx512: return "avx512";
+    case Kernel::avx2: return "avx2";
+    default: return "scalar";
+  }
+}
 
 void decode_attention(const AttentionShape& s, std::size_t B, const float* q, const float* k_new, const float* v_new,
                       const AttentionRow* rows, float scale, float* out, int num_threads) {

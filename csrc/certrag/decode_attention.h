@@ -31,4 +31,8 @@ struct AttentionShape {
 void decode_attention(const AttentionShape& shape, std::size_t B, const float* q, const float* k_new,
                       const float* v_new, const AttentionRow* rows, float scale, float* out, int num_threads);
 
+// The kernel decode_attention runs for this head size on this CPU (capped by CERTRAG_SIMD): "avx512" (head_dim a
+// multiple of 16), "avx2" (a multiple of 8; AVX2 + FMA) or "scalar", each up to head_dim 256.
+const char* decode_attention_kernel(std::size_t head_dim);
+
 }  // namespace certrag

@@ -106,7 +106,10 @@ def test_packed_q8_a_non_finite_activation_poisons_its_row_only_and_bad_input_na
         packed.rows([20])
 
 
-@pytest.mark.parametrize("head_dim", [64, 24])  # 24: not a multiple of 16, the portable path
+# 64: the AVX-512 kernel where the CPU has it, else AVX2's; 24: not a multiple of 16 (AVX2's or the portable one);
+# 20: not a multiple of 8 (the portable one everywhere); 136: past the 16 registers AVX2 names. Every kernel this CPU
+# runs is covered by the test below, which reruns this one with CERTRAG_SIMD capping the choice.
+@pytest.mark.parametrize("head_dim", [64, 24, 20, 136])
 def test_decode_attention_equals_softmax_attention_writes_the_cache_and_sums_spans(head_dim):
     """The native batched decode attention against float64 softmax(q k^T / sqrt(d)) v per sequence and head
     (grouped-query), with its new key and value written first; recording rows' masses against sums of those
@@ -149,6 +152,42 @@ def test_decode_attention_equals_softmax_attention_writes_the_cache_and_sums_spa
     assert np.array_equal(alone[0], out[2])
     two, _ = _core.decode_attention(q, k_new, v_new, ks, vs, layer, lengths, spans, scale, num_threads=2)
     assert np.array_equal(two, out)
+
+
+@pytest.mark.slow
+def test_every_decode_attention_kernel_this_cpu_runs_equals_softmax_attention():
+    """The test above in a fresh process per SIMD level (CERTRAG_SIMD caps the kernel choice when the module
+    loads), so the AVX-512, AVX2 and portable kernels are each checked against the float64 oracle where the CPU has
+    them; each process says which kernel head_dim 64 ran on."""
+    import os
+    import subprocess
+    import sys
+
+    levels = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512"}
+    ran = set()
+    for cap in levels:
+        env = {**os.environ, "CERTRAG_SIMD": cap}
+        kernel = subprocess.run([sys.executable, "-c", "from certrag import _core; "
+                                 "print(_core.decode_attention_kernel(64))"], env=env, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        if kernel != levels[cap]:  # the CPU lacks this level: the cap never raises the choice
+            continue
+        ran.add(kernel)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                               "decode_attention_equals_softmax_attention_writes"], env=env, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, f"CERTRAG_SIMD={cap}:\n{done.stdout[-3000:]}"
+    assert "scalar" in ran
+    if "avx2" in (_core.decode_attention_kernel(64), _core.decode_attention_kernel(24)):
+        assert "avx2" in ran
+
+
+def test_decode_attention_kernel_names_the_path_by_head_size():
+    """head_dim 20 (not a multiple of 8) and 264 (past the registers) always run the portable kernel; 64 runs the
+    widest the CPU has, and 24 never the AVX-512 one (not a multiple of 16)."""
+    assert _core.decode_attention_kernel(20) == "scalar" == _core.decode_attention_kernel(264)
+    assert _core.decode_attention_kernel(64) in ("scalar", "avx2", "avx512")
+    assert _core.decode_attention_kernel(24) in ("scalar", "avx2")
 
 
 def test_decode_attention_bad_input_names_the_argument():
