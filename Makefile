@@ -6,7 +6,7 @@ STAMP := $(VENV)/.certrag-installed
 BUILD_INPUTS := pyproject.toml setup.py CMakeLists.txt $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: demo test test-fast bench-deps bench-index bench-segment bench-retrieval bench-scale bench-qa bench-selfrag \
-	bench-conformal bench-lookback bench-factuality bench-encoders bench-serve bench-generate train-segmenter train-reranker \
+	bench-conformal bench-lookback bench-factuality bench-encoders bench-serve bench-generate bench-decode-attention train-segmenter train-reranker \
 	train-factuality train-skip-rule wheel clean
 
 $(PY):
@@ -84,6 +84,9 @@ bench-encoders: bench-deps
 
 bench-generate: bench-deps $(READER_STAMP)
 	$(PY) benchmarks/bench_generate.py
+
+bench-decode-attention: $(READER_STAMP)
+	$(PY) benchmarks/bench_decode_attention.py
 
 bench-serve: bench-deps
 	$(PY) benchmarks/bench_serve.py
