@@ -28,6 +28,10 @@ def main() -> None:
     p.add_argument("--candidates", type=int, default=20)
     p.add_argument("--reranker", default=None, help="a packaged reranker other than the default (its own "
                    "shipped calibration is used)")
+    p.add_argument("--answers", type=int, default=0,
+                   help="also answer this many train and test questions both ways with the reader (confidence=True) "
+                   "and measure a flag that adds the answer's P(correct) to the retrieval score (slow: about "
+                   "4 x answers generations)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     _common.pin_threads(2)
@@ -73,10 +77,11 @@ def main() -> None:
         best_on.append(float(np.max(r.rerank_scores)))
     on, off = np.array(best_on), np.array(best_off)
     richer = richer_flag(engine, reranker, judge, both_ways, pairs, args, suffix)
+    with_answer = answer_flag(engine, reranker, both_ways, items, pairs, args, suffix) if args.answers else None
     sweep = [{"threshold": float(t), "answerable_flagged": float((on < t).mean()),
               "offtopic_flagged": float((off < t).mean())} for t in (8.0, 9.0, 10.0, cal.s_thres, 11.0, 12.0, 13.0)]
     row = {"reranker": reranker.name, "questions": len(items), "offtopic_questions": len(offtopic),
-           "threshold": cal.s_thres, "richer_flag": richer,
+           "threshold": cal.s_thres, "richer_flag": richer, "answer_flag": with_answer,
            "alpha": cal.alpha, "answerable_flagged": float(np.mean(answerable)),
            "offtopic_flagged": float(np.mean(offtopic)),
            "best_score_median": {"answerable": float(np.median(best_on)), "offtopic": float(np.median(best_off))},
@@ -113,6 +118,22 @@ def main() -> None:
                                   "AUROC (test)"],
                                  [[r["flag"], f"{r['answerable_flagged']:.1%}", f"{r['offtopic_flagged']:.1%}",
                                    f"{r['auroc']:.3f}"] for r in richer])]
+    if with_answer:
+        md += ["\nCould the answer itself add to the flag? The reader answers each question twice (the store as it "
+               "is, and without its answering passages) with `confidence=True`, on the first "
+               f"{with_answer['train_questions']} train and {with_answer['test_questions']} test questions that have "
+               "both versions; a logistic regression over (best fused score, the answer's P(correct) from the shipped "
+               "classifier) is fitted on those train answers, its threshold where it flags 10% of their answerable "
+               "ones; beside it the rule `retrieval flag (calibrated threshold) or P(correct) below c`, c chosen on "
+               "train the same way, and the best score alone on the same questions. Measured on test; not shipped:\n",
+               _common.markdown_table(["flag (threshold from train)", "answerable flagged (test)",
+                                       "off-topic flagged (test)", "AUROC (test)"],
+                                      [[r["flag"], f"{r['answerable_flagged']:.1%}", f"{r['offtopic_flagged']:.1%}",
+                                        f"{r['auroc']:.3f}" if r["auroc"] is not None else "-"]
+                                       for r in with_answer["flags"]]),
+               f"\nShare of answers containing a reference answer: answerable {with_answer['correct_on']:.2f}, "
+               f"off-topic {with_answer['correct_off']:.2f} (test); seconds per answer "
+               f"{with_answer['seconds_per_answer']:.2f}."]
     name = f"bench_abstention{suffix}"
     _common.update_results_md(name, "\n".join(md) + "\n" + _common.footer(meta))
     print("\n".join(md))
@@ -130,11 +151,8 @@ def features(r) -> list[float]:
 def richer_flag(engine, reranker, judge, both_ways, test_pairs, args, suffix) -> list[dict]:
     """The feature flag fitted on train, and the best score alone at the same train operating point, on test."""
     import numpy as np
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.preprocessing import StandardScaler
 
     from certrag.certify.calibration import load_calibration_items
-    from certrag.train.factuality import auroc
 
     from _nq import cached_retrievals
 
@@ -148,20 +166,107 @@ def richer_flag(engine, reranker, judge, both_ways, test_pairs, args, suffix) ->
         return np.array(on), np.array(off)
 
     tr_on, tr_off = matrix([both_ways(it, r) for it, r in zip(train, train_results)])
-    te_on, te_off = matrix(test_pairs)
+    return fitted_flags("five retrieval features, logistic regression", (tr_on, tr_off), matrix(test_pairs))
+
+
+def fitted_flags(name: str, train: tuple, test: tuple) -> list[dict]:
+    """Two flags measured on test (answerable, off-topic feature rows; the best fused score first): the best score
+    alone, and a logistic regression over every feature fitted on train (answerable against off-topic), each
+    flagging below its threshold at train's 10% answerable flagged."""
+    import numpy as np
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    from certrag.train.factuality import auroc
+
+    (tr_on, tr_off), (te_on, te_off) = train, test
     scaler = StandardScaler().fit(np.r_[tr_on, tr_off])
     model = LogisticRegression(max_iter=1000).fit(scaler.transform(np.r_[tr_on, tr_off]),
                                                   np.r_[np.ones(len(tr_on)), np.zeros(len(tr_off))])
     out = []
-    for name, score in (("best fused score alone", lambda x: x[:, 0]),
-                        ("five retrieval features, logistic regression",
-                         lambda x: model.decision_function(scaler.transform(x)))):
+    for flag, score in (("best fused score alone", lambda x: x[:, 0]),
+                        (name, lambda x: model.decision_function(scaler.transform(x)))):
         t = float(np.quantile(score(tr_on), 0.10))
         on, off = score(te_on), score(te_off)
-        out.append({"flag": name, "train_threshold": t, "answerable_flagged": float(np.mean(on < t)),
+        out.append({"flag": flag, "train_threshold": t, "answerable_flagged": float(np.mean(on < t)),
                     "offtopic_flagged": float(np.mean(off < t)),
                     "auroc": auroc(np.r_[np.ones(len(on)), np.zeros(len(off))], np.r_[on, off])})
     return out
+
+
+def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffix) -> dict:
+    """Answers the first args.answers train and test questions (those with an off-topic version) both ways with
+    confidence=True (cached in benchmarks/data by question, store way and reader), and measures flags that add the
+    answer's P(correct) to the best retrieval score; thresholds from train, rates on test."""
+    import dataclasses
+    import json
+    import time
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from certrag.certify.calibration import load_calibration_items
+    from certrag.select import cut
+
+    from _nq import cached_retrievals
+
+    cache_path = _common.DATA_DIR / f"abstention_answers{suffix}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    key_of = {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
+              "selection": repr(engine.config.selection)}
+    if cache.get("key") != key_of:
+        cache = {"key": key_of, "answers": {}}
+    spent = []
+
+    selector = engine.config.selection.make()
+
+    def answered(question, r, way):
+        k = f"{way}\t{question}"
+        if k not in cache["answers"]:
+            # the candidates come whole (all kept): the engine's default selection cuts them, as a user's call would
+            r = dataclasses.replace(r, selected=cut(selector, r.rerank_scores, "logit"))
+            t0 = time.perf_counter()
+            a = engine.answer(question, retrieval=r, confidence=True)
+            spent.append(time.perf_counter() - t0)
+            cache["answers"][k] = {"p_correct": a.p_correct, "text": a.text}
+        return cache["answers"][k]
+
+    def rows(items, pairs, desc):
+        out = []
+        chosen = [(it, r, w) for it, (r, w) in zip(items, pairs) if w is not None and len(w.rerank_scores)]
+        for it, r, w in tqdm(chosen[: args.answers], desc=desc):
+            a_on, a_off = answered(it.question, r, "on"), answered(it.question, w, "off")
+            out.append(((float(np.max(r.rerank_scores)), a_on["p_correct"]),
+                        (float(np.max(w.rerank_scores)), a_off["p_correct"]),
+                        (a_on["text"], a_off["text"], it.answers)))
+        from certrag.atomic import write_file_atomic
+
+        write_file_atomic(cache_path, json.dumps(cache).encode())
+        return out
+
+    train = load_calibration_items("nq-open:train")
+    train_results = cached_retrievals(engine, reranker, [it.question for it in train], args.candidates,
+                                      f"train_candidates{suffix}.json")
+    tr = rows(train, [both_ways(it, r) for it, r in zip(train, train_results)], "train answers")
+    te = rows(test_items, test_pairs, "test answers")
+    tr_on, tr_off = np.array([x[0] for x in tr]), np.array([x[1] for x in tr])
+    te_on, te_off = np.array([x[0] for x in te]), np.array([x[1] for x in te])
+    flags = fitted_flags("best fused score + answer P(correct), logistic regression", (tr_on, tr_off),
+                         (te_on, te_off))
+    s_thres = engine.calibration.s_thres
+    base = tr_on[:, 0] < s_thres
+    # the largest c whose `or` rule flags at most 10% of train's answerable questions
+    cs = [c for c in np.unique(tr_on[:, 1]) if np.mean(base | (tr_on[:, 1] < c)) <= 0.10]
+    c = float(max(cs)) if cs else 0.0
+    flags.append({"flag": f"calibrated retrieval flag or P(correct) < {c:.3f}", "train_threshold": c,
+                  "answerable_flagged": float(np.mean((te_on[:, 0] < s_thres) | (te_on[:, 1] < c))),
+                  "offtopic_flagged": float(np.mean((te_off[:, 0] < s_thres) | (te_off[:, 1] < c))), "auroc": None})
+    from certrag.eval.metrics import answer_in_text
+
+    return {"train_questions": len(tr), "test_questions": len(te), "flags": flags,
+            "correct_on": float(np.mean([answer_in_text(x[2][0], x[2][2]) for x in te])),
+            "correct_off": float(np.mean([answer_in_text(x[2][1], x[2][2]) for x in te])),
+            "seconds_per_answer": float(np.median(spent)) if spent else float("nan")}
 
 
 if __name__ == "__main__":
