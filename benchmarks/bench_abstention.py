@@ -205,7 +205,9 @@ def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffi
     import numpy as np
     from tqdm.auto import tqdm
 
+    from certrag.atomic import write_file_atomic
     from certrag.certify.calibration import load_calibration_items
+    from certrag.eval.metrics import answer_in_text
     from certrag.select import cut
 
     from _nq import cached_retrievals
@@ -216,9 +218,7 @@ def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffi
               "selection": repr(engine.config.selection)}
     if cache.get("key") != key_of:
         cache = {"key": key_of, "answers": {}}
-    spent = []
-
-    selector = engine.config.selection.make()
+    spent, selector = [], engine.config.selection.make()
 
     def answered(question, r, way):
         k = f"{way}\t{question}"
@@ -239,8 +239,6 @@ def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffi
             out.append(((float(np.max(r.rerank_scores)), a_on["p_correct"]),
                         (float(np.max(w.rerank_scores)), a_off["p_correct"]),
                         (a_on["text"], a_off["text"], it.answers)))
-        from certrag.atomic import write_file_atomic
-
         write_file_atomic(cache_path, json.dumps(cache).encode())
         return out
 
@@ -261,8 +259,6 @@ def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffi
     flags.append({"flag": f"calibrated retrieval flag or P(correct) < {c:.3f}", "train_threshold": c,
                   "answerable_flagged": float(np.mean((te_on[:, 0] < s_thres) | (te_on[:, 1] < c))),
                   "offtopic_flagged": float(np.mean((te_off[:, 0] < s_thres) | (te_off[:, 1] < c))), "auroc": None})
-    from certrag.eval.metrics import answer_in_text
-
     return {"train_questions": len(tr), "test_questions": len(te), "flags": flags,
             "correct_on": float(np.mean([answer_in_text(x[2][0], x[2][2]) for x in te])),
             "correct_off": float(np.mean([answer_in_text(x[2][1], x[2][2]) for x in te])),

@@ -28,11 +28,10 @@ def measure(args, generate: bool) -> dict:
     """This process's kernel: the attention of one decode step over every layer at each context length (median of
     repeats, one thread); with generate, the reader's time per decode step after a long prompt (median of repeats)."""
     from certrag import _core
-    from certrag.llm import LocalLLM
+    from certrag.llm.weights import q8_cache_dir
 
-    llm = LocalLLM(args.model, weights="q8", num_threads=args.threads)
-    c = llm.engine.decoder.c
-    heads, kv, d, layers = c.heads, c.kv_heads, c.head_dim, c.layers
+    c = json.loads((q8_cache_dir(args.model) / "config.json").read_text())  # the shape only: no weights loaded
+    heads, kv, d, layers = c["heads"], c["kv_heads"], c["head_dim"], c["layers"]
     out = {"kernel": _core.decode_attention_kernel(d), "shape": {"heads": heads, "kv_heads": kv, "head_dim": d,
                                                                   "layers": layers}, "attention_ms": {}}
     rng = np.random.default_rng(0)
@@ -51,6 +50,9 @@ def measure(args, generate: bool) -> dict:
     if not generate:
         return out
     from certrag.data.corpora import wiki_leads
+    from certrag.llm import LocalLLM
+
+    llm = LocalLLM(args.model, weights="q8", num_threads=args.threads)
 
     text = " ".join(x for _, x, _ in wiki_leads()[:60])
     ids = llm.tokenizer.encode(text)[: args.prompt_tokens]

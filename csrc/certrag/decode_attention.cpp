@@ -31,23 +31,29 @@ void axpy_scalar(float w, const float* x, float* y, std::size_t n) {
 }
 
 #ifdef CERTRAG_X86
-// e^x for x <= 0 (softmax arguments after the max is taken off), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2,
-// e^r by a degree-6 polynomial (Cephes' expf coefficients; about 1 ulp), times 2^n built in the exponent bits.
-// Arguments below -87 give 0.
+// e^x for x <= 0 (softmax arguments after the max is taken off): x = n ln2 + r with |r| <= ln2 / 2, e^r by a
+// degree-6 polynomial (Cephes' expf coefficients; about 1 ulp), times 2^n built in the exponent bits. Arguments below
+// -87 give 0. One set of constants for both vector widths.
+constexpr float kExpMin = -87.33654f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 in two parts
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+// 16 lanes.
 __attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.33654f);
+  const __m512 lo = _mm512_set1_ps(kExpMin);
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[1]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[2]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[3]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[4]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[5]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
@@ -127,21 +133,21 @@ __attribute__((target("avx512f"))) void one_head_avx512(std::size_t D, std::size
   }
 }
 
-// The same e^x over 8 lanes (AVX2 + FMA): the arguments below -87 give 0.
+// The same e^x over 8 lanes (AVX2 + FMA).
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 lo = _mm256_set1_ps(kExpMin);
   const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[1]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[2]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[3]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[4]));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[5]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
