@@ -1,32 +1,45 @@
 """The fused lookback kernel on a GPU: against torch SDPA decode attention and against the eager way.
 
-Two parts, both on one CUDA device, bfloat16:
+Three parts, on one CUDA device, bfloat16:
 
+0. Sweep (--sweep): the kernel's launch parameters (block_n, num_warps, num_stages, programs per SM) for each head
+   layout, timed on its bandwidth-bound shapes under CUDA-graph replay; the best (geometric mean over the shapes of
+   time / the shape's best time) is applied in-process to the parts below and written to the JSON (the table
+   kernels/lookback.py ships, _TUNED, is copied from it).
 1. One decode-attention call (one query row per head over a KV cache), for the head layouts of the bundled
    Qwen2.5-0.5B (14 query heads, 2 KV heads, head dim 64) and of an 8B model (32 / 8 / 128), batch 1 and 8, KV
    lengths 1k to 64k, 10 spans:
      sdpa:    torch.nn.functional.scaled_dot_product_attention, output only (what plain decoding pays);
-     kernel:  certrag.kernels.lookback_attention, output and span masses in one pass over K and V;
-     two-pass: SDPA's output, then the span masses from a second read of K (certrag's CPU way, here on the GPU);
+     fused:   certrag.kernels.lookback_attention, output and span masses in one pass over K and V (one launch);
+     sdpa + masses: SDPA's output, then the kernel's masses alone (V not read: the recorder's default);
+     two-pass: SDPA's output, then the span masses from a second read of K in torch (certrag's CPU way);
      eager:   the weights materialised (q.K^T, softmax, weights.V) and summed per span (the Lookback Lens way).
-   Time: triton.testing.do_bench (CUDA events, median); the bandwidth column counts K and V read once. Each shape
-   is also checked against the float32 reference (lookback_reference).
+   Each is timed twice: launched from Python (triton.testing.do_bench: CUDA events, median; at small sizes this is
+   the host's launch cost) and replayed from a CUDA graph (do_bench_cudagraph: the GPU's own time, what a
+   graph-captured decode step pays). Every shape is checked against the float32 reference (lookback_reference) on
+   three fresh draws, in both layouts, with and without a valid length shorter than the buffer (kv_len).
 2. Generation: a Qwen2 model with the 0.5B's configuration and random weights (the bundled weights stay on the CPU
    machine; decoding costs the same whatever the weights), bfloat16, 128 tokens decoded greedily after a prompt of
-   1k, 4k and 16k tokens: plain (SDPA), recording with the kernel, recording two-pass, and the eager way (eager
-   attention with output_attentions, which keeps every layer's prefill attention). Time per decoded token (median
-   step gap), peak GPU memory (torch.cuda.max_memory_allocated), and whether the tokens equal plain generation's.
+   1k, 4k and 16k tokens. transformers' generate: plain (SDPA), recording with the kernel's masses, recording with
+   the kernel's output and masses (fused), recording two-pass, and the eager way (eager attention with
+   output_attentions). Graph-captured (certrag.certify.lookback.graph_decode, a static cache, one CUDA graph per
+   step): plain, recording, fused. Time per decoded token, peak GPU memory (torch.cuda.max_memory_allocated), and
+   whether the tokens equal plain generation's. Then the same modes in float32 on the 1k prompt, for token identity.
 
 Run on the device machine (writes JSON), then render here:
-    python benchmarks/bench_lookback_gpu.py --out results.json       # on the GPU machine
-    python benchmarks/bench_lookback_gpu.py --report results.json    # writes RESULTS.md's section
+    python benchmarks/bench_lookback_gpu.py --sweep --out results.json   # on the GPU machine (or gpu_check.sh)
+    python benchmarks/bench_lookback_gpu.py --report results.json        # writes RESULTS.md's section
 (--report takes several files: the attention rows of the last that has them, the generation rows likewise.)
+On a device machine with no build of certrag, benchmarks/gpu_check.sh runs this script and the CUDA tests from the
+source tree.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -37,13 +50,16 @@ import _common  # noqa: E402
 LAYOUTS = {"qwen2.5-0.5b": (14, 2, 64), "llama-8b": (32, 8, 128)}
 
 
-def _timer(dev: str):
-    """Median microseconds of a call: CUDA events (triton's do_bench) on a GPU; wall clock for the CPU smoke run."""
+def _timers(dev: str):
+    """(launched, graph): median microseconds of a call launched from Python (CUDA events) and of its replay from
+    a CUDA graph; wall clock for both in the CPU smoke run."""
     if dev == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
-        return lambda fn: float(do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
-    return lambda fn: _common.median_time(fn, repeats=3) * 1e6
+        return (lambda fn: float(do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3,
+                lambda fn: float(do_bench_cudagraph(fn, rep=50, return_mode="median")) * 1e3)
+    t = lambda fn: _common.median_time(fn, repeats=3) * 1e6  # noqa: E731
+    return t, t
 
 
 def _sync(dev: str) -> None:
@@ -53,42 +69,95 @@ def _sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
+def _qkv(B, hq, hkv, d, L, dev, seed):
+    import torch
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(*shape, device=dev, generator=g, dtype=torch.bfloat16)
+            for shape in ((B, hq, d), (B, hkv, L, d), (B, hkv, L, d))]
+
+
+def sweep_part(dev: str, smoke: bool = False) -> dict:
+    """Times every launch configuration on each layout's bandwidth-bound shapes (graph replays) and installs the
+    best per (BLOCK_D, BLOCK_G) in kernels.lookback._TUNED; returns the table and the timings."""
+    import torch
+    import triton
+
+    import certrag.kernels.lookback as lk
+
+    sms = lk._multiprocessors(torch.device(dev))
+    _, graph = _timers(dev)
+    shapes = [(1, 16384), (8, 65536)] if not smoke else [(1, 300)]
+    grid = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4))) if not smoke else [(32, 4, 2, 2)]
+    table, rows = {}, []
+    for layout, (hq, hkv, d) in LAYOUTS.items():
+        key = (max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(hq // hkv)))
+        times = {}
+        for B, L in shapes:
+            q, k, v = _qkv(B, hq, hkv, d, L, dev, L + B)
+            bounds = torch.linspace(0, L, 11, device=dev).long()
+            starts = bounds[:-1].to(torch.int32).expand(B, -1).contiguous()
+            ends = bounds[1:].to(torch.int32).expand(B, -1).contiguous()
+            for block_n, warps, stages, per_sm in grid:
+                programs = B * hkv
+                splits = max(1, min(triton.cdiv(L, 4 * block_n), triton.cdiv(per_sm * sms, programs), 128))
+                fn = lambda: lk.lookback_attention(q, k, v, starts, ends, check_spans=False,  # noqa: E731
+                                                   num_splits=splits, block_n=block_n, num_warps=warps,
+                                                   num_stages=stages)
+                try:
+                    fn()
+                    us = graph(fn)
+                except Exception as e:  # a configuration the compiler refuses (shared memory): not a candidate
+                    us = math.inf
+                    print(f"sweep {layout} {(block_n, warps, stages, per_sm)}: {type(e).__name__}: {e}"[:300],
+                          file=sys.stderr)
+                times[(block_n, warps, stages, per_sm), (B, L)] = us
+                rows.append({"layout": layout, "batch": B, "length": L, "block_n": block_n, "num_warps": warps,
+                             "num_stages": stages, "programs_per_sm": per_sm, "graph_us": us})
+        best_per_shape = {shape: min(t for (c, sh), t in times.items() if sh == shape) for shape in shapes}
+
+        def score(c):
+            return math.exp(sum(math.log(times[c, sh] / best_per_shape[sh]) for sh in shapes) / len(shapes))
+
+        best = min(grid, key=score)
+        table[key] = best
+        print(f"sweep {layout}: best {best} (score {score(best):.3f}); default {lk._DEFAULT_LAUNCH}", file=sys.stderr)
+    lk._TUNED.update(table)
+    return {"tuned": {f"{k[0]},{k[1]}": list(v) for k, v in table.items()}, "rows": rows}
+
+
 def attention_part(lengths, batches, spans: int, dev: str) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from certrag.kernels.lookback import lookback_attention, lookback_reference
     from certrag.certify.lookback import span_masses
+    from certrag.kernels.lookback import lookback_attention, lookback_reference
 
-    rows, timer = [], _timer(dev)
+    rows = []
+    launched, graph = _timers(dev)
     for layout, (hq, hkv, d) in LAYOUTS.items():
         for B in batches:
             for L in lengths:
-                g = torch.Generator(device=dev).manual_seed(L + B)
-                q = torch.randn(B, hq, d, device=dev, generator=g, dtype=torch.bfloat16)
-                k = torch.randn(B, hkv, L, d, device=dev, generator=g, dtype=torch.bfloat16)
-                v = torch.randn(B, hkv, L, d, device=dev, generator=g, dtype=torch.bfloat16)
+                q, k, v = _qkv(B, hq, hkv, d, L, dev, L + B)
                 bounds = torch.linspace(0, L, spans + 1, device=dev).long()
-                starts, ends = bounds[:-1].contiguous(), bounds[1:].contiguous()
+                starts = bounds[:-1].to(torch.int32).expand(B, -1).contiguous()
+                ends = bounds[1:].to(torch.int32).expand(B, -1).contiguous()
                 scale = d ** -0.5
-                member = ((torch.arange(L, device=dev)[None, :] >= starts[:, None])
-                          & (torch.arange(L, device=dev)[None, :] < ends[:, None])).to(torch.bfloat16)
+                member = ((torch.arange(L, device=dev)[None, :] >= bounds[:-1, None])
+                          & (torch.arange(L, device=dev)[None, :] < bounds[1:, None])).to(torch.bfloat16)
 
                 def sdpa():
                     return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
 
-                def kernel():  # layout "auto": per_group for these grouped-query layouts
+                def fused():  # layout "auto": per group for these grouped-query layouts
                     return lookback_attention(q, k, v, starts, ends, scale, check_spans=False)
 
-                def kernel_per_head():
-                    return lookback_attention(q, k, v, starts, ends, scale, check_spans=False, layout="per_head")
-
-                def sdpa_kernel_masses():
+                def sdpa_masses():
                     return sdpa(), lookback_attention(q, k, v, starts, ends, scale, check_spans=False,
                                                       with_output=False)[1]
 
                 def two_pass():
-                    return sdpa(), span_masses(q, k, starts, ends, scale)
+                    return sdpa(), span_masses(q, k, bounds[:-1], bounds[1:], scale)
 
                 def eager():
                     kk = k.repeat_interleave(hq // hkv, dim=1)
@@ -97,34 +166,46 @@ def attention_part(lengths, batches, spans: int, dev: str) -> list[dict]:
                     out = torch.einsum("bhl,bhld->bhd", w.to(v.dtype), vv)
                     return out, torch.einsum("bhl,sl->bhs", w, member.float())
 
-                out, mass = kernel()
-                ref_out, ref_mass = lookback_reference(q, k, v, starts, ends, scale)
+                # Correctness: three fresh draws, both layouts, masses alone, and a valid length short of L.
+                err = 0.0
+                for draw in range(3):
+                    qd, kd, vd = _qkv(B, hq, hkv, d, L, dev, 1000 * draw + L + B + 7)
+                    kv_len = torch.randint(max(1, L // 2), L + 1, (B,), device=dev, dtype=torch.int32)
+                    for lay, with_kv in (("per_group", False), ("per_head", False), ("per_group", True)):
+                        kl = kv_len if with_kv else None
+                        out, mass = lookback_attention(qd, kd, vd, starts, ends, scale, check_spans=False,
+                                                       layout=lay, kv_len=kl)
+                        ref_out, ref_mass = lookback_reference(qd, kd, vd, starts, ends, scale, kv_len=kl)
+                        err = max(err, float((out.float() - ref_out.float()).abs().max()),
+                                  float((mass - ref_mass).abs().max()))
+                    _, alone = lookback_attention(qd, kd, vd, starts, ends, scale, check_spans=False,
+                                                  with_output=False)
+                    err = max(err, float((alone - ref_mass_full(qd, kd, vd, starts, ends, scale)).abs().max()))
                 row = {"part": "attention", "layout": layout, "heads": [hq, hkv, d], "batch": B, "length": L,
-                       "spans": spans, "max_err_out": float((out.float() - ref_out.float()).abs().max()),
-                       "max_err_mass": float((mass - ref_mass).abs().max())}
+                       "spans": spans, "max_error": err}
                 _sync(dev)
-                out_h, mass_h = kernel_per_head()
-                row["max_err_per_head"] = max(float((out_h.float() - ref_out.float()).abs().max()),
-                                              float((mass_h - ref_mass).abs().max()))
-                for name, fn in (("sdpa", sdpa), ("kernel", kernel), ("kernel_per_head", kernel_per_head),
-                                 ("sdpa_kernel_masses", sdpa_kernel_masses), ("two_pass", two_pass),
-                                 ("eager", eager)):
-                    row[f"{name}_us"] = timer(fn)
+                for name, fn in (("sdpa", sdpa), ("fused", fused), ("sdpa_masses", sdpa_masses),
+                                 ("two_pass", two_pass), ("eager", eager)):
+                    row[f"{name}_us"] = launched(fn)
+                for name, fn in (("sdpa", sdpa), ("fused", fused), ("sdpa_masses", sdpa_masses)):
+                    row[f"{name}_graph_us"] = graph(fn)
                 kv_bytes = 2 * k.numel() * k.element_size()
-                row["kernel_gbps"] = kv_bytes / (row["kernel_us"] * 1e-6) / 1e9
-                row["sdpa_gbps"] = kv_bytes / (row["sdpa_us"] * 1e-6) / 1e9
+                row["fused_gbps"] = kv_bytes / (row["fused_graph_us"] * 1e-6) / 1e9
+                row["sdpa_gbps"] = kv_bytes / (row["sdpa_graph_us"] * 1e-6) / 1e9
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
 
 
-def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = False, on_row=None,
-                    eager_max: int = 4096) -> list[dict]:
-    import numpy as np
-    import torch
-    from transformers import LogitsProcessor, LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+def ref_mass_full(q, k, v, starts, ends, scale):
+    from certrag.kernels.lookback import lookback_reference
 
-    from certrag.certify.lookback import recording
+    return lookback_reference(q, k, v, starts, ends, scale)[1]
+
+
+def _model(dev: str, dtype, small: bool):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -133,8 +214,25 @@ def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = 
     if small:  # the CPU smoke run: the same code path on a few layers
         config.num_hidden_layers, config.vocab_size = 2, 1000
     with torch.device(dev):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+        model = Qwen2ForCausalLM(config).to(dtype).eval()
     model.set_attn_implementation("sdpa")
+    return model
+
+
+MODES = ("plain", "record_kernel", "record_fused", "record_two_pass", "graph_plain", "graph_record", "graph_fused")
+
+
+def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = False, on_row=None,
+                    eager_max: int = 4096, dtype_name: str = "bfloat16", modes=MODES) -> list[dict]:
+    import numpy as np
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from certrag.certify.lookback import graph_decode, recording
+
+    dtype = getattr(torch, dtype_name)
+    model = _model(dev, dtype, small)
+    config = model.config
     stamps = []
 
     class Stamp(LogitsProcessor):
@@ -154,27 +252,38 @@ def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = 
             stamps.clear()
             if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            rec = None
             with torch.inference_mode():
                 if how == "eager":
                     model.set_attn_implementation("eager")
                     try:
                         seq = model.generate(ids, attention_mask=torch.ones_like(ids), output_attentions=True,
-                                             return_dict_in_generate=True, **kw).sequences
+                                             return_dict_in_generate=True, **kw).sequences[:, L:]
                     finally:
                         model.set_attn_implementation("sdpa")
+                elif how.startswith("graph"):
+                    stats = {}
+                    if how == "graph_plain":
+                        seq = graph_decode(model, ids, tokens, stats=stats)
+                    else:
+                        with recording(model, L, chunks, fused_output=how == "graph_fused") as rec:
+                            seq = graph_decode(model, ids, tokens, rec=rec, stats=stats)
+                    ms = stats["seconds"] / max(stats["steps"], 1) * 1e3
                 elif how.startswith("record"):
                     with recording(model, L, chunks, use_kernel=how != "record_two_pass",
                                    fused_output=how == "record_fused") as rec:
-                        seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-                    assert len(rec.masses) == tokens - 1
+                        seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[:, L:]
                 else:
-                    seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+                    seq = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)[:, L:]
+            if rec is not None:
+                assert len(rec.masses) == tokens - 1, (how, len(rec.masses))
+            if not how.startswith("graph"):
+                ms = float(np.median(np.diff(stamps))) * 1e3
             peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else 0.0
-            return float(np.median(np.diff(stamps))) * 1e3, peak, seq[0, L:].tolist()
+            return ms, peak, seq[0].tolist()
 
-        decode("plain")  # warm-up: kernels compiled, allocator primed
-        decode("record_fused")
-        modes = ("plain", "record_kernel", "record_fused", "record_two_pass")
+        for how in modes:  # warm-up: kernels compiled, allocator primed
+            decode(how)
         runs = {m: [] for m in modes}
         peak, seqs = {}, {m: [] for m in modes}
         for rep in range(repeats):
@@ -188,7 +297,7 @@ def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = 
         def first_difference(seq):
             return next((i for i, (a, b) in enumerate(zip(seq, plain)) if a != b), None)
 
-        row = {"part": "generation", "length": L, "tokens": tokens, "repeats": repeats,
+        row = {"part": "generation", "dtype": dtype_name, "length": L, "tokens": tokens, "repeats": repeats,
                **{f"{m}_ms_per_token": float(np.median(v)) for m, v in runs.items()},
                **{f"{m}_runs_ms": v for m, v in runs.items()},
                **{f"{m}_peak_mb": peak[m] for m in runs},
@@ -196,25 +305,24 @@ def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = 
                **{f"{m}_same_tokens": all(s == plain for s in seqs[m]) for m in modes[1:]},
                **{f"{m}_first_difference": min((d for d in map(first_difference, seqs[m]) if d is not None),
                                                default=None) for m in modes[1:]}}
-        if L > eager_max:
-            need = config.num_hidden_layers * config.num_attention_heads * L * L * 2 / 2**30
-            row.update(eager_ms_per_token=None, eager_peak_mb=None,
-                       eager_note=f"not run: its prefill attention alone is {need:.0f} GiB in bf16")
-            rows.append(row)
-            if on_row:
-                on_row(row)
-            continue
-        try:
-            ms, mb, seq = decode("eager")
-            row.update(eager_ms_per_token=ms, eager_peak_mb=mb, eager_same_tokens=seq == plain)
-        except torch.OutOfMemoryError:
-            need = config.num_hidden_layers * config.num_attention_heads * L * L * 2 / 2**30
-            row.update(eager_ms_per_token=None, eager_peak_mb=None,
-                       eager_note=f"out of memory (its prefill attention alone is {need:.0f} GiB in bf16)")
+        if dtype_name == "bfloat16":
+            if L > eager_max:
+                need = config.num_hidden_layers * config.num_attention_heads * L * L * 2 / 2**30
+                row.update(eager_ms_per_token=None, eager_peak_mb=None,
+                           eager_note=f"not run: its prefill attention alone is {need:.0f} GiB in bf16")
+            else:
+                try:
+                    ms, mb, seq = decode("eager")
+                    row.update(eager_ms_per_token=ms, eager_peak_mb=mb, eager_same_tokens=seq == plain)
+                except torch.OutOfMemoryError:
+                    need = config.num_hidden_layers * config.num_attention_heads * L * L * 2 / 2**30
+                    row.update(eager_ms_per_token=None, eager_peak_mb=None,
+                               eager_note=f"out of memory (its prefill attention alone is {need:.0f} GiB in bf16)")
         if dev == "cuda":
             torch.cuda.empty_cache()
         rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_runs_ms")}), file=sys.stderr,
+              flush=True)
         if on_row:
             on_row(row)
     return rows
@@ -236,18 +344,27 @@ def measure(args) -> None:
                          "transformers": transformers.__version__})
     if args.commit:
         meta["commit"] = args.commit
-    rows = attention_part([int(x) for x in args.lengths.split(",")], [int(x) for x in args.batches.split(",")],
-                          args.spans, dev)
+    rows: list[dict] = []
 
     def save(row=None):  # after each part and each generation row, so a run cut short still reports
         if row is not None:
             rows.append(row)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
-    save()
+    if args.sweep:
+        meta["sweep"] = sweep_part(dev, smoke=args.cpu_smoke)
+        save()
+    if args.lengths:
+        rows += attention_part([int(x) for x in args.lengths.split(",")], [int(x) for x in args.batches.split(",")],
+                               args.spans, dev)
+        save()
     if args.gen_lengths:
         generation_part([int(x) for x in args.gen_lengths.split(",")], args.tokens, args.repeats, dev,
                         small=args.cpu_smoke, on_row=save)
+    if args.f32_length:  # token identity in float32: the modes that promise plain's tokens
+        generation_part([args.f32_length], args.f32_tokens, 1, dev, small=args.cpu_smoke, on_row=save,
+                        dtype_name="float32", modes=("plain", "record_kernel", "record_fused", "graph_plain",
+                                                     "graph_record", "graph_fused"))
 
 
 def report(paths: list[str], write: bool) -> None:
@@ -345,10 +462,13 @@ def main() -> None:
     p.add_argument("--out", help="measure on this machine's GPU and write the rows to this JSON file")
     p.add_argument("--report", nargs="+", help="render JSON files written by --out into RESULTS.md")
     p.add_argument("--no-write", action="store_true", help="with --report: print only")
-    p.add_argument("--lengths", default="1024,4096,16384,65536")
+    p.add_argument("--sweep", action="store_true", help="tune the launch parameters first (part 0)")
+    p.add_argument("--lengths", default="1024,4096,16384,65536", help="attention part's KV lengths ('' skips it)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--spans", type=int, default=10)
-    p.add_argument("--gen-lengths", default="1024,4096,16384")
+    p.add_argument("--gen-lengths", default="1024,4096,16384", help="generation prompts ('' skips them)")
+    p.add_argument("--f32-length", type=int, default=1024, help="float32 token-identity prompt (0 skips it)")
+    p.add_argument("--f32-tokens", type=int, default=48)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--commit", help="the commit measured (the device machine's copy has no git history)")

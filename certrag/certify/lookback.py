@@ -83,13 +83,15 @@ def _lookback_attention(module, query, key, value, attention_mask, dropout: floa
     L = key.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[:, :, 0, :]
-    if query.is_cuda and attention_mask is None and rec.use_kernel:
+    # The kernel takes the valid cache length from rec.kv_len (a static cache, where the mask only hides the
+    # buffer's unfilled end) or attends to the whole cache (no mask); any other mask goes the torch way.
+    if query.is_cuda and rec.use_kernel and (attention_mask is None or rec.kv_len is not None):
         from certrag.kernels.lookback import lookback_attention
 
-        starts, ends = rec.spans(L, query.device)  # valid by construction (Recording checks the chunk spans):
-        out, mass = lookback_attention(q, key, value, starts, ends, scale, check_spans=False,  # no device sync
-                                       with_output=rec.fused_output)
-        rec.add(module.layer_idx, mass)
+        starts, ends = rec.device_spans(query.device)  # valid by construction: no check, no device sync
+        out, _ = lookback_attention(q, key, value, starts, ends, scale, check_spans=False,
+                                    with_output=rec.fused_output, kv_len=rec.kv_len,
+                                    mass=rec.slot(module.layer_idx, query.shape[1]), workspace=rec.workspace)
         if out is not None:
             return out[:, None, :, :], None  # (B, 1, Hq, D): transformers' (batch, q_len, heads, dim)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -124,7 +126,15 @@ def register() -> str:
 
 class Recording:
     """Span masses per decode step: masses[step] is float32 (layers, Hq, 2 + n_chunks) for the spans
-    [prompt, new, chunk_1 .. chunk_n], and kv_lengths[step] the cache length at that step."""
+    [prompt, new, chunk_1 .. chunk_n], and kv_lengths[step] the cache length at that step.
+
+    On CUDA with the kernel, each layer's masses are written by the kernel straight into a slot of a device buffer
+    (blocks of STEPS_PER_BLOCK steps), and nothing reaches the host until masses or finish() is read: no
+    synchronisation per step, so the host runs ahead of the GPU as in plain decoding. For a decode step captured in a
+    CUDA graph (graph_decode), the driver sets kv_len (the valid cache length, on the device) and static (one
+    step's slots at fixed addresses), and calls commit() after each replay."""
+
+    STEPS_PER_BLOCK = 64
 
     def __init__(self, prompt_len: int, chunk_spans: list[tuple[int, int]], num_layers: int,
                  use_kernel: bool = True, fused_output: bool = False) -> None:
@@ -142,8 +152,15 @@ class Recording:
         self._ends_fixed = torch.tensor([prompt_len, 0] + [b for _, b in chunk_spans], dtype=torch.long)
         self._step: dict[int, object] = {}
         self._spans_at = (-1, None)
-        self.masses: list[np.ndarray] = []
-        self.kv_lengths: list[int] = []
+        self._host: list[np.ndarray] = []  # steps recorded on the host (the torch path)
+        self._device_spans = None
+        self._blocks: list = []  # device steps: (STEPS_PER_BLOCK, layers, 1, Hq, S) float32 each
+        self._device_steps = 0
+        self._seen: set[int] = set()
+        self._pulled: list[np.ndarray] = []  # device steps already copied to the host
+        self.workspace = None  # certrag.kernels.lookback.Workspace, made on the first kernel call
+        self.kv_len = None  # int32 (1,) on the device: the valid cache length, set by a graph-capturing driver
+        self.static = None  # (layers, 1, Hq, S) float32 on the device: a captured step's slots, set by that driver
 
     def spans(self, kv_len: int, device=None):
         """(starts, ends) at a cache length, on a device (default: the CPU); built once per decode step, shared by
@@ -160,6 +177,53 @@ class Recording:
             self._spans_at = ((kv_len, device), (starts, ends))
         return self._spans_at[1]
 
+    def device_spans(self, device):
+        """int32 (1, S) spans on the device for the kernel, made once: the span of new tokens ends at 2^31 - 1,
+        since the kernel never reads past the valid cache length anyway."""
+        if self._device_spans is None:
+            import torch
+
+            ends = self._ends_fixed.clone()
+            ends[1] = 2**31 - 1
+            self._device_spans = (self._starts.to(device, torch.int32)[None].contiguous(),
+                                  ends.to(device, torch.int32)[None].contiguous())
+            from certrag.kernels.lookback import Workspace
+
+            self.workspace = Workspace()
+        return self._device_spans
+
+    def slot(self, layer: int, heads: int):
+        """Where the kernel writes this layer's masses for the current step: float32 (1, heads, S) on the device."""
+        if self.static is not None:
+            return self.static[layer]
+        if layer in self._seen:  # a layer seen twice: the previous step is complete
+            self._advance()
+        view = self._current(heads)[layer]
+        self._seen.add(layer)
+        if len(self._seen) == self.num_layers:
+            self._advance()
+        return view
+
+    def _current(self, heads: int):
+        """The current device step's (layers, 1, heads, S) slots, a new block of steps when the last is full."""
+        if self._device_steps == len(self._blocks) * self.STEPS_PER_BLOCK:
+            import torch
+
+            starts = self._device_spans[0]
+            self._blocks.append(torch.empty(self.STEPS_PER_BLOCK, self.num_layers, 1, heads, starts.shape[1],
+                                            dtype=torch.float32, device=starts.device))
+        return self._blocks[-1][self._device_steps % self.STEPS_PER_BLOCK]
+
+    def _advance(self) -> None:
+        self._device_steps += 1
+        self._seen = set()
+
+    def commit(self) -> None:
+        """After a captured step's replay: its masses (in static) become the next recorded step (a device copy,
+        queued like the replay: no synchronisation)."""
+        self._current(self.static.shape[2]).copy_(self.static)
+        self._advance()
+
     def add(self, layer: int, mass) -> None:
         if layer in self._step:  # a layer seen twice: the previous step is complete
             self._flush()
@@ -172,12 +236,26 @@ class Recording:
             import torch
 
             layers = sorted(self._step)
-            self.masses.append(torch.stack([self._step[i] for i in layers]).float().cpu().numpy())
-            self.kv_lengths.append(self.prompt_len + len(self.masses))
+            self._host.append(torch.stack([self._step[i] for i in layers]).float().cpu().numpy())
             self._step = {}
 
-    def finish(self) -> "LookbackFeatures":
+    @property
+    def masses(self) -> list[np.ndarray]:
+        """float32 (layers, Hq, S) per completed step (device steps are copied to the host here, once)."""
         self._flush()
+        done = self._device_steps
+        if len(self._pulled) < done:
+            import torch
+
+            flat = torch.cat(self._blocks)[len(self._pulled):done, :, 0].cpu().numpy()
+            self._pulled.extend(list(flat))
+        return self._host + self._pulled
+
+    @property
+    def kv_lengths(self) -> list[int]:
+        return [self.prompt_len + i + 1 for i in range(len(self.masses))]
+
+    def finish(self) -> "LookbackFeatures":
         return lookback_features(self.masses, self.prompt_len, self.chunk_spans)
 
 
@@ -269,6 +347,102 @@ def recording(model, prompt_len: int, chunk_spans: list[tuple[int, int]], *, use
             yield rec
     finally:
         model.set_attn_implementation(previous)
+
+
+def graph_decode(model, input_ids, max_new_tokens: int, *, rec: Recording | None = None, capture: bool = True,
+                 stats: dict | None = None):
+    """Greedy decoding of exactly max_new_tokens tokens (no early stop) for one sequence with a static KV cache,
+    every decode step after the first replayed from one CUDA graph (capture=True on CUDA): the host launches one
+    graph per token instead of every layer's kernels, so decoding runs at the GPU's speed rather than Python's.
+    With rec (what recording() yields), the kernel records each step's span masses into rec's device buffers, inside
+    the graph; the tokens are those of the same steps run eagerly (capture=False, any device: the reference).
+
+    Returns int64 (1, max_new_tokens) on the model's device. stats, if given, receives "steps" and "seconds": the
+    replayed (or, eagerly, the third and later) steps and their wall time, synchronised at both ends.
+    Models with sliding-window layers are refused (their masks differ per layer)."""
+    import inspect
+    import time
+
+    import torch
+    from transformers import StaticCache
+
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be a (1, prompt_len) tensor; got {getattr(input_ids, 'shape', input_ids)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+    kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"graph_decode needs full attention in every layer; this model has {sorted(kinds)}")
+    dev = input_ids.device
+    capture = capture and dev.type == "cuda"
+    on_kernel = rec is not None and dev.type == "cuda" and rec.use_kernel
+    if capture and rec is not None and not rec.use_kernel:
+        raise ValueError("a captured graph records through the kernel only: use_kernel=False needs capture=False")
+    P, total = input_ids.shape[1], input_ids.shape[1] + max_new_tokens
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    # transformers 5.24 renamed the cache argument from past_key_values to cache
+    cache_kw = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    positions = torch.arange(total, device=dev)
+    mask = torch.zeros(1, 1, 1, total, dtype=torch.bool, device=dev)  # the static buffer's valid prefix
+    pos = torch.full((1,), P, dtype=torch.long, device=dev)
+    kv_len = torch.full((1,), P + 1, dtype=torch.int32, device=dev)
+    tokens = torch.empty(1, max_new_tokens, dtype=torch.long, device=dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    with torch.inference_mode():
+        logits = model(input_ids, use_cache=True, logits_to_keep=1, **cache_kw).logits
+        tokens[:, 0] = logits[:, -1].argmax(-1)
+        tok = tokens[:, :1].clone()
+        if on_kernel:  # the kernel writes each layer's masses into static; keep() commits them as a step
+            rec.device_spans(dev)
+            rec.kv_len = kv_len
+            rec.static = torch.empty(model.config.num_hidden_layers, 1, model.config.num_attention_heads,
+                                     2 + len(rec.chunk_spans), dtype=torch.float32, device=dev)
+
+        def step():  # everything on the device: a graph replays it as it is
+            kv_len.copy_(pos + 1)
+            torch.le(positions, pos, out=mask[0, 0, 0])
+            out = model(tok, attention_mask={"full_attention": mask}, position_ids=pos[None], use_cache=True,
+                        logits_to_keep=1, **cache_kw)
+            tok.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+            pos.add_(1)
+
+        def keep(t):
+            tokens[:, t:t + 1].copy_(tok)
+            if on_kernel:
+                rec.commit()  # (the torch path adds each step's masses itself)
+
+        try:
+            first, graph = 1, None
+            if capture and max_new_tokens > 2:
+                side = torch.cuda.Stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # the first decode step, run for real: compiles, sizes the buffers
+                    step()
+                torch.cuda.current_stream(dev).wait_stream(side)
+                keep(1)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # recorded, not run
+                    step()
+                first = 2
+            t0, timed_from = None, max(first, 2)
+            for t in range(first, max_new_tokens):
+                if t == timed_from:
+                    sync()
+                    t0 = time.perf_counter()
+                graph.replay() if graph is not None else step()
+                keep(t)
+            sync()
+            if stats is not None:
+                stats["steps"] = max(0, max_new_tokens - timed_from)
+                stats["seconds"] = time.perf_counter() - t0 if t0 is not None else 0.0
+        finally:
+            if on_kernel:
+                rec.kv_len = rec.static = None
+    return tokens
 
 
 _PASSAGE = re.compile(r"<passage[^>]*>\n(.*?)\n</passage>", re.DOTALL)

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from certrag.certify.lookback import (LookbackFeatures, lookback_features, passage_token_spans,  # noqa: E402
-                                      ratios_from_masses, recording)
+from certrag.certify.lookback import (LookbackFeatures, graph_decode, lookback_features,  # noqa: E402
+                                      passage_token_spans, ratios_from_masses, recording)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,44 @@ def test_recording_on_cuda_uses_the_kernel(tiny, monkeypatch, fused_output):
     oracle, out = _eager_oracle(model, prompt, n, P, chunks)
     assert torch.equal(out.sequences, plain)
     np.testing.assert_allclose(masses, oracle, atol=1e-5, rtol=1e-4)
+
+
+def test_static_cache_decoding_gives_generate_tokens_and_masses(tiny):
+    """graph_decode's static-cache steps (run eagerly here; replayed from a CUDA graph on a GPU) give generate's
+    greedy tokens, and, recording, the eager oracle's span masses over the buffer's valid prefix only."""
+    prompt = torch.randint(1, 97, (1, 37), generator=torch.Generator().manual_seed(3))
+    P, chunks, n = 37, [(4, 20), (20, 30)], 10
+    plain = _generate(tiny, prompt, n)[:, P:]
+    stats = {}
+    assert torch.equal(graph_decode(tiny, prompt, n, stats=stats), plain)
+    assert stats["steps"] == n - 2 and stats["seconds"] > 0
+    with recording(tiny, P, chunks) as rec:
+        assert torch.equal(graph_decode(tiny, prompt, n), plain)
+    oracle, _ = _eager_oracle(tiny, prompt, n, P, chunks)
+    np.testing.assert_allclose(np.stack(rec.masses), oracle, atol=1e-5, rtol=1e-4)
+    assert torch.equal(graph_decode(tiny, prompt, 1), plain[:, :1])
+    with pytest.raises(ValueError, match="input_ids must"):
+        graph_decode(tiny, prompt[0], 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        graph_decode(tiny, prompt, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: graph capture and the kernel")
+@pytest.mark.parametrize("fused_output", [False, True])
+def test_graph_captured_recording_on_cuda(tiny, fused_output):
+    """In float32 on a GPU: the captured graph's tokens equal generate's (SDPA's output; the fused output within
+    rounding, so compared on this seed), and the recorded masses the eager oracle's."""
+    import copy
+
+    model = copy.deepcopy(tiny).cuda()
+    prompt = torch.randint(1, 97, (1, 300), generator=torch.Generator().manual_seed(2)).cuda()
+    P, chunks, n = 300, [(10, 90), (90, 250), (260, 260)], 12
+    plain = _generate(model, prompt, n)[:, P:]
+    assert torch.equal(graph_decode(model, prompt, n), plain)
+    with recording(model, P, chunks, fused_output=fused_output) as rec:
+        assert torch.equal(graph_decode(model, prompt, n), plain)
+    oracle, _ = _eager_oracle(model, prompt, n, P, chunks)
+    np.testing.assert_allclose(np.stack(rec.masses), oracle, atol=1e-5, rtol=1e-4)
 
 
 def test_ratios_hand_computed():

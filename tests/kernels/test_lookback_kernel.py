@@ -160,3 +160,52 @@ def test_cpu_path_matches_reference():
     w = torch.softmax(torch.einsum("hd,ld->hl", q[0], k[0, 0]) * 32 ** -0.5, -1)
     exact = torch.stack([w[:, a:b].sum(-1) for a, b in zip(starts.tolist(), ends.tolist())], -1)
     torch.testing.assert_close(got[0].double(), exact, atol=1e-9, rtol=2e-5)
+
+
+@pytest.mark.parametrize("group, layout", [(4, "per_group"), (4, "per_head"), (1, "auto")])
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_a_longer_static_buffer_with_per_row_valid_lengths(group, layout, splits):
+    """kv_len: each row attends to its own first kv_len[b] positions of a longer buffer (a static cache), and a span
+    reaching past its end counts only the valid positions; what lies beyond (here NaN) is never read into a result."""
+    B, L = 3, 200
+    q, k, v = _inputs(B, 2 * group, 2, L, 32, torch.float32, 17 + splits)
+    kv_len = torch.tensor([1, 131, 200], dtype=torch.int32, device=DEVICE)
+    for b, n in enumerate(kv_len.tolist()):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    starts, ends = torch.tensor([0, 5, 100, 0]), torch.tensor([10, 150, L, 1])
+    out, mass = lookback_attention(q, k, v, starts, ends, num_splits=splits, block_n=16, layout=layout,
+                                   kv_len=kv_len)
+    for b, n in enumerate(kv_len.tolist()):  # the oracle: the row's valid prefix alone, spans clipped to it
+        rb = slice(b, b + 1)
+        ref_out, ref_mass = lookback_reference(q[rb], k[rb, :, :n], v[rb, :, :n], starts.clamp(max=n),
+                                               ends.clamp(max=n))
+        torch.testing.assert_close(out[rb], ref_out, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(mass[rb], ref_mass, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="kv_len must be an int32"):
+        lookback_attention(q, k, v, starts, ends, kv_len=kv_len.long())
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_results_into_given_buffers_and_a_reused_workspace(splits):
+    """out and mass may be strided views (a recorder's per-layer slot); a Workspace is reused call after call,
+    and its arrival counters are back at zero after each (the last split of each head block combined them)."""
+    from certrag.kernels.lookback import Workspace
+
+    ws = Workspace()
+    history = torch.full((5, 2, 8, 6), float("nan"), device=DEVICE)  # (steps, batch, heads, spans)
+    outs = torch.full((2, 8, 3, 64), float("nan"), device=DEVICE)  # (batch, heads, 3, D): out is [:, :, 1]
+    for step in range(3):
+        q, k, v = _inputs(2, 8, 2, 150 + 40 * step, 64, torch.float32, 100 + step)
+        starts, ends = _spans(np.random.default_rng(step), k.shape[2], 6)
+        got_out, got_mass = lookback_attention(q, k, v, starts, ends, num_splits=splits, out=outs[:, :, 1],
+                                               mass=history[step], workspace=ws)
+        assert got_mass.data_ptr() == history[step].data_ptr() and got_out.data_ptr() == outs[:, :, 1].data_ptr()
+        ref_out, ref_mass = lookback_reference(q, k, v, starts, ends)
+        torch.testing.assert_close(history[step], ref_mass, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(outs[:, :, 1], ref_out, atol=2e-5, rtol=1e-4)
+        if splits > 1:
+            assert int(ws._counts.abs().sum()) == 0
+    assert bool(torch.isnan(history[3:]).all()) and bool(torch.isnan(outs[:, :, [0, 2]]).all())  # nothing else
+    with pytest.raises(ValueError, match="mass must be float32"):
+        lookback_attention(q, k, v, starts, ends, mass=history[0, :1])
