@@ -78,50 +78,64 @@ def _qkv(B, hq, hkv, d, L, dev, seed):
 
 
 def sweep_part(dev: str, smoke: bool = False) -> dict:
-    """Times every launch configuration on each layout's bandwidth-bound shapes (graph replays) and installs the
-    best per (BLOCK_D, BLOCK_G) in kernels.lookback._TUNED; returns the table and the timings."""
+    """Times launch configurations on each layout's shapes (graph replays: the GPU's time) and installs the best per
+    (BLOCK_D, BLOCK_G) in kernels.lookback._TUNED: first (block_n, programs per SM, fewest blocks per split) with
+    float32 span sums, then the span sums' precision for the winner. Returns the table and the timings."""
     import torch
     import triton
+    from triton.testing import do_bench_cudagraph
 
     import certrag.kernels.lookback as lk
 
     sms = lk._multiprocessors(torch.device(dev))
-    _, graph = _timers(dev)
-    shapes = [(1, 16384), (8, 65536)] if not smoke else [(1, 300)]
-    grid = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2, 4))) if not smoke else [(32, 4, 2, 2)]
+    graph = (lambda fn: float(do_bench_cudagraph(fn, rep=30, return_mode="median")) * 1e3) if dev == "cuda" \
+        else _timers(dev)[1]
+    shapes = [(1, 1024), (8, 4096), (1, 16384), (8, 65536)] if not smoke else [(1, 300)]
+    grid = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (1, 4))) if not smoke else [(32, 2, 1)]
     table, rows = {}, []
     for layout, (hq, hkv, d) in LAYOUTS.items():
         key = (max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(hq // hkv)))
-        times = {}
+        inputs = {}
         for B, L in shapes:
             q, k, v = _qkv(B, hq, hkv, d, L, dev, L + B)
             bounds = torch.linspace(0, L, 11, device=dev).long()
-            starts = bounds[:-1].to(torch.int32).expand(B, -1).contiguous()
-            ends = bounds[1:].to(torch.int32).expand(B, -1).contiguous()
-            for block_n, warps, stages, per_sm in grid:
-                programs = B * hkv
-                splits = max(1, min(triton.cdiv(L, 4 * block_n), triton.cdiv(per_sm * sms, programs), 128))
-                fn = lambda: lk.lookback_attention(q, k, v, starts, ends, check_spans=False,  # noqa: E731
-                                                   num_splits=splits, block_n=block_n, num_warps=warps,
-                                                   num_stages=stages)
-                try:
-                    fn()
-                    us = graph(fn)
-                except Exception as e:  # a configuration the compiler refuses (shared memory): not a candidate
-                    us = math.inf
-                    print(f"sweep {layout} {(block_n, warps, stages, per_sm)}: {type(e).__name__}: {e}"[:300],
-                          file=sys.stderr)
-                times[(block_n, warps, stages, per_sm), (B, L)] = us
-                rows.append({"layout": layout, "batch": B, "length": L, "block_n": block_n, "num_warps": warps,
-                             "num_stages": stages, "programs_per_sm": per_sm, "graph_us": us})
-        best_per_shape = {shape: min(t for (c, sh), t in times.items() if sh == shape) for shape in shapes}
+            inputs[B, L] = (q, k, v, bounds[:-1].to(torch.int32).expand(B, -1).contiguous(),
+                            bounds[1:].to(torch.int32).expand(B, -1).contiguous())
 
-        def score(c):
-            return math.exp(sum(math.log(times[c, sh] / best_per_shape[sh]) for sh in shapes) / len(shapes))
+        def time_config(config, shape):
+            block_n, per_sm, min_blocks, precision = config
+            q, k, v, starts, ends = inputs[shape]
+            splits = max(1, min(triton.cdiv(shape[1], min_blocks * block_n), triton.cdiv(per_sm * sms, shape[0] * hkv),
+                                128))
+            fn = lambda: lk.lookback_attention(q, k, v, starts, ends, check_spans=False,  # noqa: E731
+                                               num_splits=splits, block_n=block_n, num_warps=4, num_stages=3,
+                                               span_precision=precision)
+            try:
+                fn()
+                us = graph(fn)
+            except Exception as e:  # a configuration the compiler refuses (shared memory): not a candidate
+                us = math.inf
+                print(f"sweep {layout} {config}: {type(e).__name__}: {e}"[:300], file=sys.stderr)
+            rows.append({"layout": layout, "batch": shape[0], "length": shape[1], "block_n": block_n,
+                         "programs_per_sm": per_sm, "min_blocks": min_blocks, "span_precision": precision,
+                         "graph_us": us})
+            return us
 
-        best = min(grid, key=score)
-        table[key] = best
-        print(f"sweep {layout}: best {best} (score {score(best):.3f}); default {lk._DEFAULT_LAUNCH}", file=sys.stderr)
+        def best_of(configs):
+            times = {(c, sh): time_config(c, sh) for c in configs for sh in shapes}
+            fastest = {sh: min(times[c, sh] for c in configs) for sh in shapes}
+
+            def score(c):  # geometric mean of time over the shape's fastest
+                return math.exp(sum(math.log(times[c, sh] / fastest[sh]) for sh in shapes) / len(shapes))
+
+            return min(configs, key=score), score
+
+        best, score = best_of([(*c, "ieee") for c in grid])
+        if dev == "cuda":
+            best, score = best_of([(*best[:3], p) for p in lk.SPAN_PRECISIONS])
+        block_n, per_sm, min_blocks, precision = best
+        table[key] = (block_n, 4, 3, per_sm, min_blocks, precision)
+        print(f"sweep {layout}: best {table[key]} (score {score(best):.3f})", file=sys.stderr)
     lk._TUNED.update(table)
     return {"tuned": {f"{k[0]},{k[1]}": list(v) for k, v in table.items()}, "rows": rows}
 
@@ -282,8 +296,9 @@ def generation_part(lengths, tokens: int, repeats: int, dev: str, small: bool = 
             peak = torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else 0.0
             return ms, peak, seq[0].tolist()
 
-        for how in modes:  # warm-up: kernels compiled, allocator primed
-            decode(how)
+        if L == lengths[0]:  # warm-up: kernels compiled, allocator primed
+            for how in modes:
+                decode(how)
         runs = {m: [] for m in modes}
         peak, seqs = {}, {m: [] for m in modes}
         for rep in range(repeats):

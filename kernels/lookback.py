@@ -48,14 +48,16 @@ def _lookback_kernel(
     sm_b, sm_h, sm_s,
     ONE_SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, WITH_OUT: tl.constexpr,
-    IEEE: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+    IEEE: tl.constexpr, SPAN_PRECISION: tl.constexpr, HAS_KV_LEN: tl.constexpr,
 ):
     """One program per (batch, block of HPP query heads sharing a KV head, split of the KV length).
 
     HPP = GROUP (per-group layout): each K / V tile is read once for all query heads of its KV head; HPP = 1
     (per-head layout): one query head per program. Scores, outputs and span sums are matrix products over BLOCK_G
     rows (tensor cores for 16-bit inputs, p rounded to their type for the output as FlashAttention does; IEEE float32
-    products for float32 inputs and for the span sums).
+    products for float32 inputs). The span sums p @ membership take SPAN_PRECISION: "ieee" (float32 FMAs), or for
+    16-bit inputs, whose scores carry bf16 / fp16 rounding already, "tf32x3" (three tensor-core products, float32's
+    accuracy) or "tf32" (one: p rounded to 10 mantissa bits, a relative error of 2^-11 per weight).
 
     With one split the program normalises and writes the results itself. With several, each writes its partial
     state (m, l, output accumulator, span sums), then takes a ticket from its (batch, head block)'s arrival counter;
@@ -114,7 +116,7 @@ def _lookback_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         member = ((n[:, None] >= st[None, :]) & (n[:, None] < en[None, :])).to(tl.float32)  # (BLOCK_N, BLOCK_S)
-        span_acc = span_acc * alpha[:, None] + tl.dot(p, member, input_precision="ieee")
+        span_acc = span_acc * alpha[:, None] + tl.dot(p, member, input_precision=SPAN_PRECISION)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -252,20 +254,27 @@ class Workspace:
         return self._work, self._counts
 
 
-# Launch parameters by head size and query rows per program, from the H200 sweep (bench_lookback_gpu.py --sweep):
-# (block_n, num_warps, num_stages); the default otherwise.
-_TUNED: dict[tuple[int, int], tuple[int, int, int]] = {}
-_DEFAULT_LAUNCH = (64, 4, 2)
+# Launch parameters by (BLOCK_D, BLOCK_G), from the H200 sweep (bench_lookback_gpu.py --sweep): block_n, num_warps,
+# num_stages, programs per multiprocessor (the split count's target), the fewest blocks of block_n positions a split
+# holds, and the span sums' precision for 16-bit inputs; _DEFAULT_LAUNCH otherwise.
+_TUNED: dict[tuple[int, int], tuple[int, int, int, int, int, str]] = {
+    (64, 16): (128, 4, 3, 2, 4, "ieee"),  # Qwen2.5-0.5B's heads (head dim 64, 7 query heads per KV head)
+    (128, 16): (64, 4, 3, 1, 4, "ieee"),  # an 8B model's (head dim 128, 4 per KV head)
+}
+_DEFAULT_LAUNCH = (64, 4, 3, 2, 4, "ieee")
+SPAN_PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
 def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = None, *, num_splits: int | None = None,
                        block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                        check_spans: bool = True, with_output: bool = True, layout: str = "auto", kv_len=None,
-                       out=None, mass=None, workspace: Workspace | None = None):
+                       out=None, mass=None, workspace: Workspace | None = None, span_precision: str | None = None):
     """The fused kernel (see the module docstring): (out, mass), in one launch.
 
-    num_splits: KV-length splits (default: enough programs to fill the GPU, each split at least 4 blocks long);
-    block_n, num_warps, num_stages: launch parameters (default: the tuned table for the head size). check_spans=False
+    num_splits: KV-length splits (default: the tuned number of programs per multiprocessor, each split at least the
+    tuned number of blocks long); block_n, num_warps, num_stages: launch parameters (default: the tuned table for the
+    head layout); span_precision: the span sums' products for 16-bit inputs ("ieee", "tf32x3" or "tf32"; default:
+    the tuned table's; float32 inputs always take "ieee"). check_spans=False
     skips the bounds check of the span values (a device sync when they are on the GPU) for callers that build valid
     spans themselves; int32 (B, S) spans on q's device are then used as they are. with_output=False computes the
     masses alone (V is never read) and returns (None, mass). layout: "per_head" (one program per query head),
@@ -276,6 +285,8 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
     (for buffers a CUDA graph replays into); workspace: reused scratch memory (Workspace)."""
     if layout not in ("auto", "per_head", "per_group"):
         raise ValueError(f"layout must be 'auto', 'per_head' or 'per_group'; got {layout!r}")
+    if span_precision is not None and span_precision not in SPAN_PRECISIONS:
+        raise ValueError(f"span_precision must be one of {SPAN_PRECISIONS}; got {span_precision!r}")
     starts, ends = _check(q, k, v, span_starts, span_ends, check_spans)
     kv_len = _check_kv_len(kv_len, q)
     B, HQ, D = q.shape
@@ -290,10 +301,12 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
     num_warps = tuned[1] if num_warps is None else num_warps
     num_stages = tuned[2] if num_stages is None else num_stages
     scale = 1.0 / math.sqrt(D) if scale is None else scale
+    ieee = q.dtype == torch.float32 or k.dtype == torch.float32 or _interpreted()
+    span_precision = "ieee" if ieee else (tuned[5] if span_precision is None else span_precision)
     programs = B * (HQ // hpp)
     if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(L, 4 * block_n), triton.cdiv(2 * _multiprocessors(q.device), programs),
-                                128))
+        num_splits = max(1, min(triton.cdiv(L, tuned[4] * block_n),
+                                triton.cdiv(tuned[3] * _multiprocessors(q.device), programs), 128))
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1; got {num_splits}")
     chunk = triton.cdiv(triton.cdiv(L, num_splits), block_n) * block_n
@@ -335,6 +348,6 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
         o.stride(0), o.stride(1), o.stride(2), mass.stride(0), mass.stride(1), mass.stride(2),
         ONE_SPLIT=num_splits == 1, D=D, BLOCK_G=block_g,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, WITH_OUT=with_output,
-        IEEE=q.dtype == torch.float32 or k.dtype == torch.float32 or _interpreted(), HAS_KV_LEN=kv_len is not None,
+        IEEE=ieee, SPAN_PRECISION=span_precision, HAS_KV_LEN=kv_len is not None,
         num_warps=num_warps, num_stages=num_stages)
     return result, mass
