@@ -254,12 +254,13 @@ class Workspace:
         return self._work, self._counts
 
 
-# Launch parameters by (BLOCK_D, BLOCK_G), from the H200 sweep (bench_lookback_gpu.py --sweep): block_n, num_warps,
+# Launch parameters by (BLOCK_D, BLOCK_G), from the H200 sweep of 2026-12-04 (bench_lookback_gpu.py --sweep; the
+# span sums' tf32 products were no faster than float32 FMAs there, tf32x3 up to 1.5x slower): block_n, num_warps,
 # num_stages, programs per multiprocessor (the split count's target), the fewest blocks of block_n positions a split
 # holds, and the span sums' precision for 16-bit inputs; _DEFAULT_LAUNCH otherwise.
 _TUNED: dict[tuple[int, int], tuple[int, int, int, int, int, str]] = {
     (64, 16): (128, 4, 3, 2, 4, "ieee"),  # Qwen2.5-0.5B's heads (head dim 64, 7 query heads per KV head)
-    (128, 16): (64, 4, 3, 1, 4, "ieee"),  # an 8B model's (head dim 128, 4 per KV head)
+    (128, 16): (64, 4, 3, 1, 1, "ieee"),  # an 8B model's (head dim 128, 4 per KV head)
 }
 _DEFAULT_LAUNCH = (64, 4, 3, 2, 4, "ieee")
 SPAN_PRECISIONS = ("ieee", "tf32x3", "tf32")

@@ -357,6 +357,7 @@ def graph_decode(model, input_ids, max_new_tokens: int, *, rec: Recording | None
     With rec (what recording() yields), the kernel records each step's span masses into rec's device buffers, inside
     the graph; the tokens are those of the same steps run eagerly (capture=False, any device: the reference).
 
+    rec defaults to the recording active on this thread (inside `with recording(model, ...)`), if any.
     Returns int64 (1, max_new_tokens) on the model's device. stats, if given, receives "steps" and "seconds": the
     replayed (or, eagerly, the third and later) steps and their wall time, synchronised at both ends.
     Models with sliding-window layers are refused (their masks differ per layer)."""
@@ -373,6 +374,8 @@ def graph_decode(model, input_ids, max_new_tokens: int, *, rec: Recording | None
     kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         raise ValueError(f"graph_decode needs full attention in every layer; this model has {sorted(kinds)}")
+    if rec is None:
+        rec = getattr(_state, "recording", None)
     dev = input_ids.device
     capture = capture and dev.type == "cuda"
     on_kernel = rec is not None and dev.type == "cuda" and rec.use_kernel
