@@ -224,6 +224,20 @@ class Recording:
         self._current(self.static.shape[2]).copy_(self.static)
         self._advance()
 
+    @property
+    def steps(self) -> int:
+        """Completed steps so far (none is copied to the host)."""
+        self._flush()
+        return len(self._host) + self._device_steps
+
+    def truncate(self, steps: int) -> None:
+        """Keeps the first `steps` completed steps (a decoder that ran past its end token drops the rest)."""
+        self._flush()
+        self._host = self._host[:steps]
+        self._device_steps = min(self._device_steps, max(0, steps - len(self._host)))
+        self._pulled = self._pulled[:self._device_steps]
+        self._seen = set()
+
     def add(self, layer: int, mass) -> None:
         if layer in self._step:  # a layer seen twice: the previous step is complete
             self._flush()
@@ -349,16 +363,19 @@ def recording(model, prompt_len: int, chunk_spans: list[tuple[int, int]], *, use
         model.set_attn_implementation(previous)
 
 
-def graph_decode(model, input_ids, max_new_tokens: int, *, rec: Recording | None = None, capture: bool = True,
-                 stats: dict | None = None):
-    """Greedy decoding of exactly max_new_tokens tokens (no early stop) for one sequence with a static KV cache,
+def graph_decode(model, input_ids, max_new_tokens: int, *, eos_token_id=None, check_every: int = 16,
+                 rec: Recording | None = None, capture: bool = True, stats: dict | None = None):
+    """Greedy decoding of up to max_new_tokens tokens for one sequence with a static KV cache,
     every decode step after the first replayed from one CUDA graph (capture=True on CUDA): the host launches one
     graph per token instead of every layer's kernels, so decoding runs at the GPU's speed rather than Python's.
     With rec (what recording() yields), the kernel records each step's span masses into rec's device buffers, inside
     the graph; the tokens are those of the same steps run eagerly (capture=False, any device: the reference).
 
-    rec defaults to the recording active on this thread (inside `with recording(model, ...)`), if any.
-    Returns int64 (1, max_new_tokens) on the model's device. stats, if given, receives "steps" and "seconds": the
+    eos_token_id (an id or several): decoding stops at the first of them, kept as the last token, as generate
+    does; the host looks for it every check_every tokens (one synchronisation each), so up to check_every - 1 steps
+    past it are computed and dropped, with their recorded masses. rec defaults to the recording active on this
+    thread (inside `with recording(model, ...)`), if any.
+    Returns int64 (1, T) on the model's device, T <= max_new_tokens. stats, if given, receives "steps" and "seconds": the
     replayed (or, eagerly, the third and later) steps and their wall time, synchronised at both ends.
     Models with sliding-window layers are refused (their masks differ per layer)."""
     import inspect
@@ -371,6 +388,8 @@ def graph_decode(model, input_ids, max_new_tokens: int, *, rec: Recording | None
         raise ValueError(f"input_ids must be a (1, prompt_len) tensor; got {getattr(input_ids, 'shape', input_ids)}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+    if check_every < 1:
+        raise ValueError(f"check_every must be at least 1; got {check_every}")
     kinds = set(getattr(model.config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         raise ValueError(f"graph_decode needs full attention in every layer; this model has {sorted(kinds)}")
@@ -390,6 +409,21 @@ def graph_decode(model, input_ids, max_new_tokens: int, *, rec: Recording | None
     pos = torch.full((1,), P, dtype=torch.long, device=dev)
     kv_len = torch.full((1,), P + 1, dtype=torch.int32, device=dev)
     tokens = torch.empty(1, max_new_tokens, dtype=torch.long, device=dev)
+    eos = None if eos_token_id is None else torch.tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=torch.long, device=dev)
+    checked = 0  # tokens[:, :checked] hold no end token
+    recorded_before = rec.steps if rec is not None else 0
+
+    def end_at(t: int):
+        """The index of the first end token among tokens[:, :t + 1], None if none (a host synchronisation)."""
+        nonlocal checked
+        if eos is None:
+            return None
+        hits = torch.isin(tokens[0, checked:t + 1], eos).nonzero()
+        if len(hits):
+            return checked + int(hits[0, 0])
+        checked = t + 1
+        return None
 
     def sync():
         if dev.type == "cuda":
@@ -419,7 +453,9 @@ def graph_decode(model, input_ids, max_new_tokens: int, *, rec: Recording | None
                 rec.commit()  # (the torch path adds each step's masses itself)
 
         try:
-            first, graph = 1, None
+            first, graph, end = 1, None, end_at(0)
+            if end is not None:
+                max_new_tokens = 1  # the first token ends it: no decode step
             if capture and max_new_tokens > 2:
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
@@ -431,21 +467,30 @@ def graph_decode(model, input_ids, max_new_tokens: int, *, rec: Recording | None
                 with torch.cuda.graph(graph):  # recorded, not run
                     step()
                 first = 2
-            t0, timed_from = None, max(first, 2)
+            t0, timed_from, done = None, max(first, 2), max_new_tokens
             for t in range(first, max_new_tokens):
                 if t == timed_from:
                     sync()
                     t0 = time.perf_counter()
                 graph.replay() if graph is not None else step()
                 keep(t)
+                if end is None and eos is not None and ((t + 1) % check_every == 0 or t == max_new_tokens - 1):
+                    end = end_at(t)
+                    if end is not None:
+                        done = t + 1
+                        break
             sync()
             if stats is not None:
-                stats["steps"] = max(0, max_new_tokens - timed_from)
+                stats["steps"] = max(0, done - timed_from)
                 stats["seconds"] = time.perf_counter() - t0 if t0 is not None else 0.0
         finally:
             if on_kernel:
                 rec.kv_len = rec.static = None
-    return tokens
+    if end is None:
+        return tokens
+    if rec is not None:  # generate records a step per token after the first, up to the end token
+        rec.truncate(recorded_before + end)
+    return tokens[:, :end + 1]
 
 
 _PASSAGE = re.compile(r"<passage[^>]*>\n(.*?)\n</passage>", re.DOTALL)

@@ -123,6 +123,31 @@ def test_static_cache_decoding_gives_generate_tokens_and_masses(tiny):
         graph_decode(tiny, prompt, 0)
 
 
+@pytest.mark.parametrize("check_every", [1, 3, 16])
+def test_static_cache_decoding_stops_at_the_end_token_as_generate_does(tiny, check_every):
+    """With eos_token_id, graph_decode keeps generate's tokens up to and including the first end token, and the
+    recording holds generate's steps for them, whatever steps past it were computed before the host looked."""
+    prompt = torch.randint(1, 97, (1, 37), generator=torch.Generator().manual_seed(3))
+    P, chunks = 37, [(4, 20), (20, 30)]
+    free = _generate(tiny, prompt, 12)[0, P:].tolist()
+    end = next(i for i in range(3, 12) if free[i] not in free[:i])  # a token first produced at index end
+    with torch.inference_mode():
+        want = tiny.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                             eos_token_id=free[end], pad_token_id=0)[0, P:].tolist()
+    assert want == free[:end + 1]
+    with recording(tiny, P, chunks) as ref:
+        _generate(tiny, prompt, end + 1)
+    with recording(tiny, P, chunks) as rec:
+        got = graph_decode(tiny, prompt, 12, eos_token_id=[free[end], 96 if free[end] != 96 else 95],
+                           check_every=check_every)
+    assert got[0].tolist() == want
+    assert rec.steps == end and len(rec.masses) == end
+    np.testing.assert_allclose(np.stack(rec.masses), np.stack(ref.masses), atol=1e-6, rtol=1e-5)
+    assert graph_decode(tiny, prompt, 12, eos_token_id=free[0])[0].tolist() == free[:1]  # the first token ends it
+    with pytest.raises(ValueError, match="check_every"):
+        graph_decode(tiny, prompt, 3, check_every=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: graph capture and the kernel")
 @pytest.mark.parametrize("fused_output", [False, True])
 def test_graph_captured_recording_on_cuda(tiny, fused_output):
