@@ -15,7 +15,8 @@ receives every attention call of generate(). It delegates the output to transfor
 changes no token) and, on decode calls, computes the span masses sum_{j in S} a_j for the spans [prompt, new,
 chunk_1..chunk_n]: on the CPU with one grouped-query matmul, a softmax and a sum per span (span_masses); on CUDA
 with the Triton kernel (certrag.kernels.lookback); with recording(fused_output=True) the output comes from the same
-pass as the masses instead of from SDPA.
+pass as the masses instead of from SDPA. On CUDA the masses stay on the device until read; graph_decode decodes with
+a static cache and replays each step from a CUDA graph, recording inside it.
 """
 
 from __future__ import annotations
