@@ -81,6 +81,9 @@ def _lookback_attention(module, query, key, value, attention_mask, dropout: floa
     if rec is None or query.shape[2] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if query.shape[0] != 1:  # a Recording holds one sequence's steps: never keep one row and drop the others
+        raise ValueError(f"recording lookback ratios needs one sequence per generation; got a batch of "
+                         f"{query.shape[0]}")
     L = key.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[:, :, 0, :]

@@ -187,6 +187,15 @@ def test_ratios_hand_computed():
     assert lookback_features([], 10, []).steps == 0
 
 
+def test_a_batch_is_refused_rather_than_recorded_for_its_first_row(tiny):
+    """A Recording holds one sequence: a batch of two used to record row 0 and drop row 1 without a word."""
+    prompt = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(5))
+    with recording(tiny, 12, [(2, 6)]):
+        with pytest.raises(ValueError, match="one sequence per generation; got a batch of 2"):
+            _generate(tiny, prompt, 3)
+    assert tiny.config._attn_implementation == "sdpa"
+
+
 def test_spans_outside_the_prompt_are_refused(tiny):
     with pytest.raises(ValueError, match="inside the prompt"):
         with recording(tiny, 10, [(5, 11)]):
