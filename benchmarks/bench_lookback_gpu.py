@@ -438,16 +438,16 @@ def report(paths: list[str], write: bool) -> None:
             else "")
          + (" In float32, every mode's tokens equal plain generation's." if f32 and all(
              r[-1].count(",") == 4 for r in f32_table) else "") + "\n"),
-        ("Where it stands: launched from Python, a call still costs 60-160 µs of host time (Triton's launch of a "
+        ("Where it stands: launched from Python, a fused call costs 74-159 µs launched (Triton's launch of a "
          "kernel with 45 arguments plus the wrapper), so recording inside transformers' generate (host-bound at "
          "17-60 ms per token on this machine, and swinging 2-3x between repeats) could not be measured to the "
          "issue's 1.10x; the graph is the way to decode on a GPU. What limits the kernel: the last split's combine "
          "walks the splits one by one (128 for Qwen's 2 KV heads at 64k: 4x SDPA there), and the per-group tiles "
          "pad 4 or 7 query heads to 16 rows. Next: combine the splits in vectorised chunks, and pick the split "
          "count by waves of the grid; the span sums' precision is not the cost (tf32 products were no faster than "
-         "float32 FMAs, tf32x3 up to 1.5x slower). Against the two-launch kernel measured on 2026-11-30 on the same "
+         "float32 FMAs, tf32x3 1.1-2.8x slower). Against the two-launch kernel measured on 2026-11-30 on the same "
          "kind of machine (launched: 110-400 µs a call; 797 µs at the 8B layout's batch 8 x 64k), one launch "
-         "costs 74-163 µs launched and 663 µs there.\n"),
+         "costs 74-159 µs launched and 663 µs there.\n"),
         ("CUDA tests on the device (benchmarks/gpu_check.sh): tests/kernels/test_lookback_kernel.py and "
          "tests/certify/test_lookback.py, compiled: 56 passed, 2 failed. The two failures were "
          "test_graph_captured_recording_on_cuda: it called graph_decode inside `with recording(...)` without "

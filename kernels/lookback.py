@@ -255,7 +255,7 @@ class Workspace:
 
 
 # Launch parameters by (BLOCK_D, BLOCK_G), from the H200 sweep of 2026-12-04 (bench_lookback_gpu.py --sweep; the
-# span sums' tf32 products were no faster than float32 FMAs there, tf32x3 up to 1.5x slower): block_n, num_warps,
+# span sums' tf32 products were no faster than float32 FMAs there, tf32x3 1.1-2.8x slower): block_n, num_warps,
 # num_stages, programs per multiprocessor (the split count's target), the fewest blocks of block_n positions a split
 # holds, and the span sums' precision for 16-bit inputs; _DEFAULT_LAUNCH otherwise.
 _TUNED: dict[tuple[int, int], tuple[int, int, int, int, int, str]] = {
