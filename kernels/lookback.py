@@ -297,17 +297,18 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
     block_g = max(16, triton.next_power_of_2(hpp))  # matrix products need every dimension >= 16
     block_d = max(16, triton.next_power_of_2(D))
     block_s = max(16, triton.next_power_of_2(max(S, 1)))
-    tuned = _TUNED.get((block_d, block_g), _DEFAULT_LAUNCH)
-    block_n = max(16, tuned[0] if block_n is None else block_n)
-    num_warps = tuned[1] if num_warps is None else num_warps
-    num_stages = tuned[2] if num_stages is None else num_stages
+    tuned_n, tuned_warps, tuned_stages, per_sm, min_blocks, tuned_precision = _TUNED.get((block_d, block_g),
+                                                                                       _DEFAULT_LAUNCH)
+    block_n = max(16, tuned_n if block_n is None else block_n)
+    num_warps = tuned_warps if num_warps is None else num_warps
+    num_stages = tuned_stages if num_stages is None else num_stages
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     ieee = q.dtype == torch.float32 or k.dtype == torch.float32 or _interpreted()
-    span_precision = "ieee" if ieee else (tuned[5] if span_precision is None else span_precision)
+    span_precision = "ieee" if ieee else (tuned_precision if span_precision is None else span_precision)
     programs = B * (HQ // hpp)
     if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(L, tuned[4] * block_n),
-                                triton.cdiv(tuned[3] * _multiprocessors(q.device), programs), 128))
+        num_splits = max(1, min(triton.cdiv(L, min_blocks * block_n),
+                                triton.cdiv(per_sm * _multiprocessors(q.device), programs), 128))
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1; got {num_splits}")
     chunk = triton.cdiv(triton.cdiv(L, num_splits), block_n) * block_n
@@ -318,14 +319,12 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
         raise ValueError(f"mass must be float32 of shape ({B}, {HQ}, {S}) on {q.device}; got {mass.dtype} "
                          f"{tuple(mass.shape)} on {mass.device}")
     if not with_output:
-        result = None
+        out = None
     elif out is None:
-        result = out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device)
+        out = torch.empty(B, HQ, D, dtype=q.dtype, device=q.device)
     elif out.shape != (B, HQ, D) or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be {q.dtype} of shape ({B}, {HQ}, {D}) on {q.device}; got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
-    else:
-        result = out
     if num_splits > 1:  # per-split state: m, l, span sums and (with the output) the output accumulators
         rows = B * HQ * num_splits
         n_work = rows * (2 + block_s + (block_d if with_output else 0))
@@ -339,7 +338,7 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
     else:  # one split writes its results directly: no scratch (the pointers below are never read)
         m_buf = l_buf = span_buf = acc_buf = mass
         counts = starts
-    o = out if with_output else mass  # (never written without the output)
+    o = mass if out is None else out  # (never written without the output)
     _lookback_kernel[(programs, num_splits)](
         q, k, v, starts, ends, starts if kv_len is None else kv_len,
         m_buf, l_buf, acc_buf, span_buf, counts, o, mass,
@@ -351,4 +350,4 @@ def lookback_attention(q, k, v, span_starts, span_ends, scale: float | None = No
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=block_s, WITH_OUT=with_output,
         IEEE=ieee, SPAN_PRECISION=span_precision, HAS_KV_LEN=kv_len is not None,
         num_warps=num_warps, num_stages=num_stages)
-    return result, mass
+    return out, mass

@@ -478,7 +478,7 @@ def graph_decode(model, input_ids, max_new_tokens: int, *, eos_token_id=None, ch
                     t0 = time.perf_counter()
                 graph.replay() if graph is not None else step()
                 keep(t)
-                if end is None and eos is not None and ((t + 1) % check_every == 0 or t == max_new_tokens - 1):
+                if end is None and ((t + 1) % check_every == 0 or t == max_new_tokens - 1):
                     end = end_at(t)
                     if end is not None:
                         done = t + 1
