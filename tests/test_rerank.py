@@ -171,6 +171,21 @@ def test_a_distilled_reranker_keeps_evenly_spaced_layers_ending_with_the_last():
     assert res.exit_code != 0 and "--layers" in res.output
 
 
+def test_train_reranker_refuses_a_held_out_share_outside_zero_to_one():
+    from click.testing import CliRunner
+
+    from certrag.cli import main
+
+    for share in ("0", "1", "1.5"):
+        res = CliRunner().invoke(main, ["train-reranker", "--val-fraction", share, "--out", "unused"])
+        assert res.exit_code != 0 and "--val-fraction" in res.output
+    from certrag.train.reranker import train_reranker
+
+    for share in (0, 1.0, -0.2, True, "0.5"):  # said before any model or data is loaded
+        with pytest.raises(ValueError, match="val_fraction"):
+            train_reranker("unused", val_fraction=share)
+
+
 def test_separation_auroc_counts_gold_above_the_best_answer_free_candidate_across_questions():
     from certrag.train.reranker import separation_auroc
 

@@ -107,6 +107,8 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
         raise ValueError(f"layers must be a positive integer; got {layers!r}")
     if isinstance(evals_per_epoch, bool) or not isinstance(evals_per_epoch, int) or evals_per_epoch < 1:
         raise ValueError(f"evals_per_epoch must be a positive integer; got {evals_per_epoch!r}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be a number in (0, 1); got {val_fraction!r}")
     teacher_card = None
     if teacher is not None:
         teacher = Path(teacher)
@@ -278,9 +280,14 @@ def train_reranker(out: str | os.PathLike, *, negatives: int = 7, candidates: in
                   f"{kept if kept is not None else list(range(n_layers))} kept, its fusion weight to start")
         remake = (f"certrag train-reranker --out {out} --teacher {teacher} --layers {n_layers} --epochs {epochs} "
                   f"--negatives {negatives} --lr {lr} --evals-per-epoch {evals_per_epoch} --seed {seed}")
+    name = L6_RERANKER if teacher is None and kept is None else f"certrag-minilm-l{n_layers}-cross-encoder"
+    if val_fraction != VAL_FRACTION:  # a probe for tuning on unseen train questions, not a shipped reranker
+        name += f"-val{val_fraction:g}"
+        remake += f" --val-fraction {val_fraction:g}"
+    if time_budget_s:
+        remake += f" --time-budget {time_budget_s:g}"
     card = {
-        "name": L6_RERANKER if teacher is None and kept is None
-        else f"certrag-minilm-l{n_layers}-cross-encoder",
+        "name": name,
         "kind": "cross-encoder reranker fused with the dense score: ce(q, p) + dense_weight * cos(q, p)",
         "base_model": origin,
         "layers": n_layers,
