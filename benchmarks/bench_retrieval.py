@@ -152,6 +152,7 @@ def main() -> None:
         choosing, _ = nq_store(cached_embedder(), chooser)
         pick_results = cached_retrievals(choosing, chooser, [train_items[i].question for i in unseen],
                                          args.candidates, "choice_candidates.json")
+        choosing.close()
     else:
         pick_results = [train_results[i] for i in unseen]
     pick_golds = [train_golds[i] for i in unseen]
