@@ -41,15 +41,19 @@ def rows_path(args) -> Path:
     return _common.DATA_DIR / f"bench_noise-{args.model}-{args.weights}.jsonl"
 
 
-def qualifying(engine, scan: int) -> list:
-    """(index, item) of the first `scan` NQ-open test questions that qualify for every ratio."""
+def qualifying(engine, scan: int, ratios: bool) -> list:
+    """(index, item) of the first `scan` NQ-open test questions that qualify for every condition run: with noise
+    ratios, 5 retrieved answer-bearing and 5 answer-free passages (about 15% of questions); with the unanswerable
+    condition alone, 5 answer-free ones (nearly all)."""
     from certrag.data.nq import load_nq_open
-    from certrag.eval.qa import noise_passages, protocol_retrievals
+    from certrag.eval.qa import noise_passages, protocol_retrievals, unanswerable_passages
 
     out = []
     for i, item in enumerate(load_nq_open(split="test")[:scan]):
         ranked, pool = protocol_retrievals(engine, item.question, K)
-        if noise_passages(item, ranked, K, 0.0, relevant_pool=pool) is not None:
+        fits = (noise_passages(item, ranked, K, 0.0, relevant_pool=pool) if ratios
+                else unanswerable_passages(item, ranked, K))
+        if fits is not None:
             out.append((i, item))
     return out
 
@@ -67,7 +71,10 @@ def run(args) -> None:
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model, weights=args.weights, num_threads=1)
     leads = [passage_text(t, x) for t, x, _ in wiki_leads()]
-    chosen = qualifying(engine, args.scan)[:args.questions]
+    ratios = any(kind != "unanswerable" for kind, _ in conditions(args))
+    if not ratios and not args.unanswerable:
+        raise SystemExit("nothing to run: --ratios and --random-ratios are empty and --no-unanswerable is set")
+    chosen = qualifying(engine, args.scan, ratios)[:args.questions]
     mine = chosen[(args.shard or 0)::args.workers]
     path = rows_path(args)
     done = set()
@@ -124,12 +131,14 @@ def report(args) -> None:
     meta = _common.meta({"bench": "bench_noise", "model": args.model, "weights": args.weights, "scan": args.scan,
                          "questions": args.questions})
     n_q = len({r["q"] for r in rows})
+    ratios = any(kind != "unanswerable" for kind, _ in conditions(args))
+    need = "5 relevant and 5 noisy passages" if ratios else "5 answer-free candidates (the unanswerable condition alone)"
     text = "\n".join([
         f"## Chain-of-Note's noise protocol, as the paper runs it (bench_noise.py, {args.model})\n",
         f"{args.model} ({args.weights}, greedy), NQ-open test questions over bench_retrieval's store; exactly 5 "
         "passages; relevant = retrieved answer-bearing passages (never injected), noisy = the best-ranked "
         "answer-free candidates (hard) or random Wikipedia leads (random); one question set for every condition "
-        f"(the questions among the first {args.scan} with 5 relevant and 5 noisy passages; {n_q} answered here). "
+        f"(the questions among the first {args.scan} with {need}; {n_q} answered here). "
         "Chain-of-Note is the paper's one pass (certrag.strategies.ChainOfNote default). Unanswerable: the same "
         "questions answered from their top 5 answer-free candidates. Cells: mean [95% bootstrap interval]; "
         "differences are Chain-of-Note minus plain, paired by question.\n",
