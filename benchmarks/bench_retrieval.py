@@ -15,7 +15,7 @@ train, and the choice is made on the other half (534 questions), ranked by it:
 
     certrag train-reranker --out $CERTRAG_HOME/probe/teacher --val-fraction 0.5 --time-budget 2400
     certrag train-reranker --out $CERTRAG_HOME/probe/student --teacher $CERTRAG_HOME/probe/teacher --layers 3 \
-        --epochs 2 --negatives 7 --lr 5e-05 --val-fraction 0.5
+        --epochs 2 --negatives 7 --lr 5e-05 --evals-per-epoch 2 --val-fraction 0.5
     python benchmarks/bench_retrieval.py --choose-with $CERTRAG_HOME/probe/student
 
     python benchmarks/bench_retrieval.py
