@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -72,7 +73,8 @@ def commit() -> str:
 
 
 def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *[a if " " not in a else repr(a) for a in sys.argv]])
+    # quoted as a shell needs (an empty argument stays visible: --ratios '')
+    return " ".join([Path(sys.executable).name, *map(shlex.quote, sys.argv)])
 
 
 def percentiles_ms(seconds: list[float] | np.ndarray) -> dict:

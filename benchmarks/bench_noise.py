@@ -9,8 +9,10 @@ unanswerable condition answers each of the same questions from its top 5 answer-
 every passage that answers it removed): the paper's "unknown" robustness (its reject rate). Both strategies see the
 same passages; reported with 95% bootstrap intervals of EM, reject rate and the paired differences.
 
-Rows are appended to benchmarks/data/bench_noise-<model>-<weights>.jsonl as they are made (--resume continues;
---shard i --workers n splits the questions over processes, one core each; --report-only summarises).
+Rows are appended to benchmarks/data/bench_noise-<model>-<weights>.jsonl as they are made (a rerun skips the rows made;
+--shard i --workers n splits the questions over processes, one core each; --report-only summarises). The report
+also keeps them in benchmarks/results/bench_noise-<model>-<weights>.rows.jsonl.gz, from which a run on a fresh clone
+continues.
 
     python benchmarks/bench_noise.py --scan 400 --questions 40
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +42,42 @@ def conditions(args) -> list[tuple[str, object]]:
 
 def rows_path(args) -> Path:
     return _common.DATA_DIR / f"bench_noise-{args.model}-{args.weights}.jsonl"
+
+
+def archive_path(args) -> Path:
+    """The committed copy of the per-question rows (benchmarks/data is scratch): a run on a fresh clone starts from
+    it, so a long run can be continued anywhere."""
+    return _common.RESULTS_DIR / f"bench_noise-{args.model}-{args.weights}.rows.jsonl.gz"
+
+
+def seed_from_archive(args) -> None:
+    import gzip
+
+    path, archive = rows_path(args), archive_path(args)
+    if path.exists() or not archive.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    with gzip.open(archive, "rt") as src:
+        tmp.write_text(src.read())
+    try:
+        os.link(tmp, path)  # create-if-absent: another shard that seeded first (and may be appending) is kept
+        print(f"continuing from {archive.name} ({sum(1 for _ in path.open())} rows)", file=sys.stderr)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+
+
+def write_archive(args) -> None:
+    import gzip
+
+    archive = archive_path(args)
+    tmp = archive.with_suffix(".tmp")
+    # mtime=0: the same rows give the same bytes, so an unchanged archive shows no diff
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        gz.write(rows_path(args).read_bytes())
+    tmp.replace(archive)
 
 
 def qualifying(engine, scan: int, ratios: bool) -> list:
@@ -76,6 +115,7 @@ def run(args) -> None:
         raise SystemExit("nothing to run: --ratios and --random-ratios are empty and --no-unanswerable is set")
     chosen = qualifying(engine, args.scan, ratios)[:args.questions]
     mine = chosen[(args.shard or 0)::args.workers]
+    seed_from_archive(args)
     path = rows_path(args)
     done = set()
     if path.exists():
@@ -149,6 +189,7 @@ def report(args) -> None:
     print(text)
     if not args.no_write and out_rows:
         _common.write_rows(f"bench_noise-{args.model}", out_rows, meta)
+        write_archive(args)
         _common.update_results_md(f"bench_noise-{args.model}", text)
 
 
