@@ -40,6 +40,11 @@ def conditions(args) -> list[tuple[str, object]]:
             + ([("unanswerable", "unanswerable")] if args.unanswerable else []))
 
 
+def runs_ratios(args) -> bool:
+    """Whether any noise-ratio condition runs (it decides which questions qualify)."""
+    return any(kind != "unanswerable" for kind, _ in conditions(args))
+
+
 def rows_path(args) -> Path:
     return _common.DATA_DIR / f"bench_noise-{args.model}-{args.weights}.jsonl"
 
@@ -110,10 +115,7 @@ def run(args) -> None:
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model, weights=args.weights, num_threads=1)
     leads = [passage_text(t, x) for t, x, _ in wiki_leads()]
-    ratios = any(kind != "unanswerable" for kind, _ in conditions(args))
-    if not ratios and not args.unanswerable:
-        raise SystemExit("nothing to run: --ratios and --random-ratios are empty and --no-unanswerable is set")
-    chosen = qualifying(engine, args.scan, ratios)[:args.questions]
+    chosen = qualifying(engine, args.scan, runs_ratios(args))[:args.questions]
     mine = chosen[(args.shard or 0)::args.workers]
     seed_from_archive(args)
     path = rows_path(args)
@@ -171,8 +173,7 @@ def report(args) -> None:
     meta = _common.meta({"bench": "bench_noise", "model": args.model, "weights": args.weights, "scan": args.scan,
                          "questions": args.questions})
     n_q = len({r["q"] for r in rows})
-    ratios = any(kind != "unanswerable" for kind, _ in conditions(args))
-    need = "5 relevant and 5 noisy passages" if ratios else "5 answer-free candidates (the unanswerable condition alone)"
+    need = "5 relevant and 5 noisy passages" if runs_ratios(args) else "5 answer-free candidates (the unanswerable condition alone)"
     text = "\n".join([
         f"## Chain-of-Note's noise protocol, as the paper runs it (bench_noise.py, {args.model})\n",
         f"{args.model} ({args.weights}, greedy), NQ-open test questions over bench_retrieval's store; exactly 5 "
@@ -207,6 +208,8 @@ def main() -> None:
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
+    if not conditions(args):  # before the store and the reader are loaded
+        p.error("nothing to run: --ratios and --random-ratios are empty and --no-unanswerable is set")
     if not args.report_only:
         run(args)
     if args.shard is None or args.report_only:
