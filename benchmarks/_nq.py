@@ -35,11 +35,11 @@ def nq_store(embedder, reranker):
     return Engine.build(corpus, store, config, embedder=embedder, reranker=reranker, overwrite=True), corpus
 
 
-def cached_embedder():
+def cached_embedder(backend: str = "auto"):
     from certrag.embed import Embedder, EmbeddingCache
     from certrag.home import certrag_home
 
-    return Embedder(cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"))
+    return Embedder(cache=EmbeddingCache(certrag_home() / "embeddings-all-MiniLM-L6-v2.safetensors"), backend=backend)
 
 
 def cached_retrievals(engine, reranker, questions: list[str], candidates: int, name: str) -> list:

@@ -102,6 +102,19 @@ def qualifying(engine, scan: int, ratios: bool) -> list:
     return out
 
 
+def kernels(engine) -> dict:
+    """What decides a row's numbers besides the code: the native SIMD level and q8 kernel (capped by CERTRAG_SIMD),
+    torch's CPU capability (capped by ATEN_CPU_CAPABILITY) and the embedder's and reranker's backend. Greedy tokens can
+    differ between AVX2 and AVX-512 kernels, so rows made on different CPUs say so, and the report counts them."""
+    import torch
+
+    from certrag import _core
+
+    info = _core.build_info()
+    return {"simd": info["simd_active"], "q8": info["q8_kernel"], "torch": torch.backends.cpu.get_cpu_capability(),
+            "encoders": f"{engine.embedder.backend.backend}/{engine.reranker.backend.backend}"}
+
+
 def run(args) -> None:
     _common.pin_threads(1, offset=args.shard or 0)
     from _nq import cached_embedder, nq_store
@@ -112,8 +125,10 @@ def run(args) -> None:
     from certrag.llm import LocalLLM
     from certrag.rerank import CrossEncoderReranker
 
-    engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
+    engine, _ = nq_store(cached_embedder(args.backend), CrossEncoderReranker.default(args.backend))
     engine.llm = LocalLLM(args.model, weights=args.weights, num_threads=1)
+    env = kernels(engine)
+    print(f"kernels: {env}", file=sys.stderr)
     leads = [passage_text(t, x) for t, x, _ in wiki_leads()]
     chosen = qualifying(engine, args.scan, runs_ratios(args))[:args.questions]
     mine = chosen[(args.shard or 0)::args.workers]
@@ -134,7 +149,7 @@ def run(args) -> None:
                                       progress=False, retrievals=retrievals)
                     row = report["rows"][0] if report["rows"] else None
                     out.write(json.dumps({"q": qi, "kind": kind, "ratio": ratio, "strategy": strategy,
-                                          "row": row}) + "\n")
+                                          "row": row, "kernels": env}) + "\n")
                     out.flush()
             print(f"question {qi} done", file=sys.stderr, flush=True)
 
@@ -173,6 +188,12 @@ def report(args) -> None:
     meta = _common.meta({"bench": "bench_noise", "model": args.model, "weights": args.weights, "scan": args.scan,
                          "questions": args.questions})
     n_q = len({r["q"] for r in rows})
+    made_with: dict = {}
+    for r in rows:
+        k = r.get("kernels")
+        made_with.setdefault(", ".join(f"{a} {b}" for a, b in k.items()) if k else "not recorded", set()).add(r["q"])
+    provenance = ("" if len(made_with) < 2 else " Questions by the kernels their rows were made with: " + "; ".join(
+        f"{k}: {len(v)}" for k, v in sorted(made_with.items())) + ".")
     need = "5 relevant and 5 noisy passages" if runs_ratios(args) else "5 answer-free candidates (the unanswerable condition alone)"
     text = "\n".join([
         f"## Chain-of-Note's noise protocol, as the paper runs it (bench_noise.py, {args.model})\n",
@@ -182,7 +203,7 @@ def report(args) -> None:
         f"(the questions among the first {args.scan} with {need}; {n_q} answered here). "
         "Chain-of-Note is the paper's one pass (certrag.strategies.ChainOfNote default). Unanswerable: the same "
         "questions answered from their top 5 answer-free candidates. Cells: mean [95% bootstrap interval]; "
-        "differences are Chain-of-Note minus plain, paired by question.\n",
+        f"differences are Chain-of-Note minus plain, paired by question.{provenance}\n",
         _common.markdown_table(["noise", "n", "EM plain", "EM CoN", "EM CoN - plain", "reject plain",
                                 "reject CoN", "reject CoN - plain", "CoN malformed"], table),
         "",
@@ -203,6 +224,8 @@ def main() -> None:
     p.add_argument("--no-unanswerable", dest="unanswerable", action="store_false")
     p.add_argument("--model", default=DEFAULT_READER)
     p.add_argument("--weights", default="q8", choices=["q8", "float32"])
+    p.add_argument("--backend", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                   help="the embedder's and reranker's backend (auto: bfloat16 where the CPU has it natively)")
     p.add_argument("--workers", type=int, default=1, help="processes (run each with --shard i)")
     p.add_argument("--shard", type=int, default=None)
     p.add_argument("--report-only", action="store_true")

@@ -1,0 +1,95 @@
+"""bench_noise's bookkeeping (benchmarks/bench_noise.py): the committed rows archive a long run continues from, and
+the report's paired reject rates. The model runs are the benchmark's; here the rows are written by hand, so the
+expected numbers are counted independently of the report's code."""
+
+import gzip
+import json
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture()
+def bench(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
+    import bench_noise
+
+    monkeypatch.setattr(_common, "DATA_DIR", tmp_path / "data")
+    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path / "results")
+    (tmp_path / "results").mkdir()
+    return bench_noise
+
+
+def _args(**kw):
+    base = dict(model="m", weights="q8", ratios="", random_ratios="", unanswerable=True, scan=10, questions=10,
+                no_write=True)
+    return Namespace(**{**base, **kw})
+
+
+def _row(q, strategy, rejected, kernels=None):
+    row = {"q": q, "kind": "unanswerable", "ratio": "unanswerable", "strategy": strategy,
+           "row": {"em": 0.0, "rejected": rejected, "malformed": False}}
+    if kernels:
+        row["kernels"] = kernels
+    return row
+
+
+def _write_rows(bench, rows):
+    path = bench.rows_path(_args())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_archive_round_trips_and_is_byte_stable(bench):
+    rows = [_row(q, s, q % 2 == 0) for q in range(3) for s in ("plain", "chain_of_note")]
+    path = _write_rows(bench, rows)
+    bench.write_archive(_args())
+    first = bench.archive_path(_args()).read_bytes()
+    bench.write_archive(_args())
+    assert bench.archive_path(_args()).read_bytes() == first  # the same rows give the same bytes (no mtime)
+    assert gzip.decompress(first).decode() == path.read_text()
+
+    path.unlink()
+    bench.seed_from_archive(_args())  # a fresh clone: benchmarks/data is empty
+    assert [json.loads(line) for line in path.open()] == rows
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_seeding_keeps_rows_already_there(bench):
+    path = _write_rows(bench, [_row(0, "plain", True)])
+    bench.write_archive(_args())
+    path.write_text(path.read_text() + json.dumps(_row(0, "chain_of_note", False)) + "\n")  # appended since
+    bench.seed_from_archive(_args())
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_the_report_pairs_questions_and_counts_rows_by_kernels(bench, capsys):
+    avx2 = {"simd": "avx2", "q8": "avx2", "torch": "AVX2", "encoders": "float32/float32"}
+    # q0: both reject; q1: plain only; q2: Chain-of-Note only; q3: neither; q4: plain's row alone (not paired)
+    rejects = {0: (True, True), 1: (True, False), 2: (False, True), 3: (False, False)}
+    rows = [_row(q, s, r, kernels=avx2 if q >= 2 else None)
+            for q, pair in rejects.items() for s, r in zip(("plain", "chain_of_note"), pair)]
+    rows.append(_row(4, "plain", True, kernels=avx2))
+    _write_rows(bench, rows)
+    bench.report(_args())
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("| unanswerable"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1] == "4"  # q4 has no Chain-of-Note row
+    assert cells[5].startswith("0.500") and cells[6].startswith("0.500") and cells[7].startswith("0.000")
+    assert "not recorded: 2" in out and "simd avx2" in out and ": 3" in out  # q2, q3, q4 were made with AVX2
+
+
+def test_an_empty_run_is_refused_before_anything_loads(bench, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_noise.py", "--ratios", "", "--random-ratios", "", "--no-unanswerable"])
+    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("the run started"))
+    with pytest.raises(SystemExit) as exc:
+        bench.main()
+    assert exc.value.code == 2
+    assert "nothing to run" in capsys.readouterr().err
