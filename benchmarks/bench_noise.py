@@ -187,7 +187,10 @@ def report(args) -> None:
                          "malformed_con": float(mal["chain_of_note"].mean())})
     meta = _common.meta({"bench": "bench_noise", "model": args.model, "weights": args.weights, "scan": args.scan,
                          "questions": args.questions})
-    n_q = len({r["q"] for r in rows})
+    strategies_by_q: dict = {}
+    for r in rows:
+        strategies_by_q.setdefault(r["q"], set()).add(r["strategy"])
+    n_q = sum(1 for got in strategies_by_q.values() if set(STRATEGIES) <= got)  # as the table counts: paired
     made_with: dict = {}
     for r in rows:
         k = r.get("kernels")
@@ -200,7 +203,7 @@ def report(args) -> None:
         f"{args.model} ({args.weights}, greedy), NQ-open test questions over bench_retrieval's store; exactly 5 "
         "passages; relevant = retrieved answer-bearing passages (never injected), noisy = the best-ranked "
         "answer-free candidates (hard) or random Wikipedia leads (random); one question set for every condition "
-        f"(the questions among the first {args.scan} with {need}; {n_q} answered here). "
+        f"(the questions among the first {args.scan} with {need}; {n_q} answered by both strategies here). "
         "Chain-of-Note is the paper's one pass (certrag.strategies.ChainOfNote default). Unanswerable: the same "
         "questions answered from their top 5 answer-free candidates. Cells: mean [95% bootstrap interval]; "
         f"differences are Chain-of-Note minus plain, paired by question.{provenance}\n",

@@ -82,6 +82,7 @@ def test_the_report_pairs_questions_and_counts_rows_by_kernels(bench, capsys):
     line = next(line for line in out.splitlines() if line.startswith("| unanswerable"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1] == "4"  # q4 has no Chain-of-Note row
+    assert "4 answered by both strategies here" in out  # the text counts as the table does
     assert cells[5].startswith("0.500") and cells[6].startswith("0.500") and cells[7].startswith("0.000")
     assert "not recorded: 2" in out and "simd avx2" in out and ": 3" in out  # q2, q3, q4 were made with AVX2
 
