@@ -95,12 +95,23 @@ def generate(llm: LLM, messages: list[dict], *, max_new_tokens: int, record_look
     return llm.generate(messages, max_new_tokens=max_new_tokens, **kwargs)
 
 
-def generate_all(llm: LLM, messages_list: list[list[dict]], max_new_tokens: int) -> list[Generation]:
-    """One generation per chat: batched when the backend can (LocalLLM.generate_batch), else one by one."""
+def generate_all(llm: LLM, messages_list: list[list[dict]], max_new_tokens: int, *, prefix: str = "",
+                 record_lookback: bool = False) -> list[Generation]:
+    """One generation per chat, in order, decoded together where the backend can (LocalLLM.submit: its engine
+    batches them, and a greedy chat's tokens are exactly those it gets alone), else one by one. prefix and
+    record_lookback apply to every chat and are passed only when set, so a backend with the plain generate()
+    signature serves the calls that use neither."""
+    kwargs: dict = {"prefix": prefix} if prefix else {}
+    if record_lookback:
+        kwargs["record_lookback"] = True
+    submit = getattr(llm, "submit", None)
+    if submit is not None:
+        pending = [submit(m, max_new_tokens=max_new_tokens, **kwargs) for m in messages_list]
+        return [p.result() for p in pending]
     batch = getattr(llm, "generate_batch", None)
-    if batch is not None:
+    if batch is not None and not kwargs:
         return list(batch(messages_list, max_new_tokens=max_new_tokens))
-    return [llm.generate(m, max_new_tokens=max_new_tokens) for m in messages_list]
+    return [llm.generate(m, max_new_tokens=max_new_tokens, **kwargs) for m in messages_list]
 
 
 def first_line(text: str) -> str:

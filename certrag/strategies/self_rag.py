@@ -35,7 +35,8 @@ import numpy as np
 
 from certrag.llm.local import Generation
 from certrag.llm.prompts import Passage, escape, plain_messages
-from certrag.strategies.base import LLM, UNKNOWN, Selection, StrategyResult, first_line, generate, is_unknown
+from certrag.strategies.base import (LLM, UNKNOWN, Selection, StrategyResult, first_line, generate_all,
+                                     is_unknown)
 
 UTILITY_WEIGHTS = (-1.0, -0.5, 0.0, 0.5, 1.0)
 GROUPS = {
@@ -368,13 +369,12 @@ class SelfRag:
             trace.append({"depth": len(path.segments), "retrieve": retrieve, "p_retrieve": p_ret,
                           "probs": decision_probs})
             use = list(range(len(passages))) if retrieve and passages else [-1]
-            gens, first_call = [], len(calls)
-            for i in use:
-                ctx = [passages[i]] if i >= 0 else []
-                g = generate(llm, plain_messages(question, ctx, qtype, options), max_new_tokens=self.segment_tokens,
-                             prefix=(prior + " ") if prior else "", record_lookback=record_lookback)
-                calls.append(g)
-                gens.append(g)
+            first_call = len(calls)
+            # A segment per passage, decoded together (Self-RAG generates them in parallel; each is greedy-exact).
+            gens = generate_all(llm, [plain_messages(question, [passages[i]] if i >= 0 else [], qtype, options)
+                                      for i in use], self.segment_tokens, prefix=(prior + " ") if prior else "",
+                                record_lookback=record_lookback)
+            calls.extend(gens)
             texts = [_segment_text(g.text) for g in gens]
             crit = critic.critique(question, [passages[i].text if i >= 0 else None for i in use], texts, prior)
             out = []

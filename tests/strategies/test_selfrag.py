@@ -269,3 +269,70 @@ def test_deltas_for_rates_make_that_share_of_questions_retrieve(smollm):
         deltas_for_rates(smollm, questions, [1.0])
     with pytest.raises(ValueError, match="questions"):
         deltas_for_rates(smollm, [], [0.5])
+
+
+class _OneByOne:
+    """The same reader without submit or generate_batch: every call generated alone, one after another."""
+
+    def __init__(self, llm):
+        self._llm = llm
+
+    def __getattr__(self, name):
+        if name in ("submit", "generate_batch"):
+            raise AttributeError(name)
+        return getattr(self._llm, name)
+
+
+class _Recording:
+    """The reader, recording when each segment is submitted and when its result is waited for."""
+
+    def __init__(self, llm):
+        self._llm, self.events = llm, []
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+    def submit(self, messages, **kwargs):
+        pending, i = self._llm.submit(messages, **kwargs), len([e for e in self.events if e[0] == "submit"])
+        self.events.append(("submit", i))
+        events = self.events
+
+        class _Wait:
+            def result(self, timeout=None):
+                events.append(("result", i))
+                return pending.result(timeout)
+        return _Wait()
+
+
+def test_segments_are_decoded_together_and_match_one_by_one(smollm):
+    """Self-RAG writes a segment per passage; they go to the engine together (every segment of a round submitted
+    before any is waited for), at both depths (the second continues a prefix), and the search is the same as with
+    each segment generated alone: greedy tokens do not depend on their batch companions."""
+    from certrag.llm.prompts import Passage
+    from certrag.strategies.self_rag import SelfRag
+
+    passages = [Passage("The Eiffel Tower is a wrought-iron tower in Paris, France.", chunk_id=1),
+                Passage("Bananas are a good source of potassium.", chunk_id=2),
+                Passage("Gustave Eiffel's company built the tower for the 1889 World's Fair.", chunk_id=3)]
+    strategy = SelfRag(beam_width=2, max_depth=2, delta=0.0, segment_tokens=10)
+    recording = _Recording(smollm)
+    together = strategy.run("Where is the Eiffel Tower and who built it?", passages, recording)
+    alone = strategy.run("Where is the Eiffel Tower and who built it?", passages, _OneByOne(smollm))
+
+    def segments(r):
+        return [(h["depth"], h["passage"], h["segment"], h["p_segment"], h["score"]) for h in r.history
+                if "segment" in h]
+    assert segments(together) == segments(alone) and together.text == alone.text
+    assert [g.token_ids for g in together.calls] == [g.token_ids for g in alone.calls]
+    rounds = recording.events
+    # every segment went through submit; a round at depth 2 exists (the beam continued a segment)
+    assert sum(e[0] == "submit" for e in rounds) == len(segments(together)) > len(passages)
+    assert any(h["depth"] == 1 for h in together.history if "segment" in h)
+    i = 0  # each round: its submits, then its results
+    while i < len(rounds):
+        n = 0
+        while i < len(rounds) and rounds[i][0] == "submit":
+            n, i = n + 1, i + 1
+        assert n == len(passages), rounds  # all of the round's segments submitted before the first wait
+        assert [e[0] for e in rounds[i:i + n]] == ["result"] * n
+        i += n
