@@ -36,15 +36,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-RATES = (0.75, 0.5, 0.25)  # the train retrieval rates the three deltas are chosen for
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+RATES = (0.75, 0.5, 0.25)  # the train retrieval rates the deltas are chosen for, by default
 
 
 def conditions(deltas) -> tuple[str, ...]:
     return ("plain", "plain top-5", *[f"self_rag top-5 delta={d:.4f}" for d in deltas])
 
 
+def parse_rates(text: str) -> tuple[float, ...]:
+    """--rates: comma-separated train retrieval rates, each strictly between 0 and 1, at least one, no repeats."""
+    try:
+        rates = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers; got {text!r}") from None
+    if not rates or any(not 0 < r < 1 for r in rates) or len(set(rates)) != len(rates):
+        raise ValueError(f"--rates must be distinct rates strictly between 0 and 1; got {text!r}")
+    return rates
+
+
 def _stem(args) -> str:
-    return f"bench_selfrag-top5-{args.model}-{args.questions}q"
+    """A run's files; a run with other rates than the default has its own (its deltas and conditions differ)."""
+    rates = "" if tuple(args.rates) == RATES else "-rates" + "_".join(f"{r:g}" for r in args.rates)
+    return f"bench_selfrag-top5-{args.model}-{args.questions}q{rates}"
+
+
+def _section(args) -> str:
+    """The RESULTS.md section: the bundled default's keeps its name; another reader or other rates get their own."""
+    rates = _stem(args).removeprefix(f"bench_selfrag-top5-{args.model}-{args.questions}q")  # "" or "-rates..."
+    return "bench_selfrag" + ("" if args.model == DEFAULT_MODEL else f"-{args.model}") + rates
 
 
 def _shard_path(args, shard: int, reverse: bool = False) -> Path:
@@ -59,8 +79,9 @@ def _deltas_path(args) -> Path:
     return _common.DATA_DIR / f"{_stem(args)}-deltas.json"
 
 
-def choose_deltas(llm, n: int) -> dict:
-    """Deltas at which RATES of the first n NQ-open train questions would retrieve (quantiles of p_retrieve)."""
+def choose_deltas(llm, n: int, rates=RATES) -> dict:
+    """Deltas at which the given rates of the first n NQ-open train questions would retrieve (quantiles of
+    p_retrieve)."""
     import numpy as np
 
     from certrag.data.nq import load_nq_open
@@ -68,7 +89,7 @@ def choose_deltas(llm, n: int) -> dict:
 
     questions = [it.question for it in load_nq_open(split="train")[:n]]
     p = retrieve_probabilities(llm, questions)  # read once: the deltas and the reported quantiles come from it
-    deltas = deltas_for_rates(llm, questions, RATES, probabilities=p)
+    deltas = deltas_for_rates(llm, questions, rates, probabilities=p)
     return {"deltas": deltas, "train_rates": [float(np.mean(p > d)) for d in deltas], "train_questions": n,
             "p_retrieve_quantiles": {q: float(np.quantile(p, q)) for q in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)}}
 
@@ -155,9 +176,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--questions", type=int, default=100)
     p.add_argument("--delta-questions", type=int, default=200, help="train questions the deltas are chosen on")
-    p.add_argument("--critic-questions", type=int, default=60, help="test questions for the critic's accuracy")
-    p.add_argument("--cost-questions", type=int, default=10, help="test questions for the critic's cost")
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES),
+                   help="train retrieval rates the self_rag deltas are chosen for, one condition each")
+    p.add_argument("--critic-questions", type=int, default=60,
+                   help="test questions for the critic's accuracy (0: not measured)")
+    p.add_argument("--cost-questions", type=int, default=10,
+                   help="test questions for the critic's cost (0: not measured)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--workers", type=int, default=2, help="processes answering, one torch thread and one core each")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the shard files")
     p.add_argument("--report-only", action="store_true", help="summarise the shard files as they are")
@@ -168,6 +193,13 @@ def main() -> None:
     for name in ("questions", "workers", "delta_questions"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("critic_questions", "cost_questions"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more")
+    try:
+        args.rates = parse_rates(args.rates)
+    except ValueError as e:
+        p.error(str(e))
     if args.shard is not None:
         worker(args)
         return
@@ -182,14 +214,15 @@ def main() -> None:
             for i in range(args.workers):
                 for rev in (False, True):
                     _shard_path(args, i, rev).unlink(missing_ok=True)
-            chosen = choose_deltas(llm, args.delta_questions)
+            chosen = choose_deltas(llm, args.delta_questions, args.rates)
             _deltas_path(args).write_text(json.dumps(chosen, indent=2) + "\n")
             print(f"deltas chosen on train: {chosen}", file=sys.stderr, flush=True)
         from _nq import cached_embedder, nq_store
         from certrag.rerank import CrossEncoderReranker
 
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # built once, before the workers
-        forwarded = ["--questions", str(args.questions), "--model", args.model, "--workers", str(args.workers)]
+        forwarded = ["--questions", str(args.questions), "--model", args.model, "--workers", str(args.workers),
+                     "--rates", ",".join(f"{r:g}" for r in args.rates)]
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded,
                                    *(["--resume"] if args.resume else [])]) for i in range(args.workers)]
         for proc in procs:
@@ -235,7 +268,7 @@ def main() -> None:
                      else None})
 
     critic = Critic(llm)
-    accuracy = critic_accuracy(engine, critic, items[: args.critic_questions])
+    accuracy = critic_accuracy(engine, critic, items[: args.critic_questions]) if args.critic_questions else None
     # Critic cost per passage: one batched forward pass against generating the critique text.
     ours, naive, n_pass, naive_steps, n_passages = [], [], 0, 0, 0
     for it in items[: args.cost_questions]:
@@ -257,14 +290,15 @@ def main() -> None:
                 naive_steps += gen.output_tokens
                 _ = [w for w in LABEL_WORDS[g] if w.lower() in gen.text.lower()]
         naive.append((time.perf_counter() - t) / len(passages))
-    critic_rows = [{"what": "critic_cost", "method": "certrag critic (one batched forward pass, full softmax)",
+    critic_rows = [] if not args.cost_questions else [{"what": "critic_cost", "method": "certrag critic (one batched forward pass, full softmax)",
                     "ms_per_passage": float(np.median(ours) * 1e3),
                     "forward_passes_per_passage": n_pass / n_passages},
                    {"what": "critic_cost", "method": "naive (generate the critique text, 3 calls of at most 8 tokens)",
                     "ms_per_passage": float(np.median(naive) * 1e3),
                     # measured: one forward pass per generated token (the first comes from the prefill's pass)
                     "forward_passes_per_passage": naive_steps / n_passages}]
-    for r in rows + [accuracy] + critic_rows:
+    measured = rows + ([accuracy] if accuracy else []) + critic_rows
+    for r in measured:
         print(r, file=sys.stderr)
 
     meta = _common.meta({"bench": "bench_selfrag", "model": args.model, "questions": args.questions,
@@ -276,20 +310,38 @@ def main() -> None:
         lo, hi = r["em_minus_plain_top5_ci"]
         return f" [{lo:+.3f}, {hi:+.3f}]"
 
+    critic_verdict = "" if accuracy is None else (
+        f" The critic calls {accuracy['called_relevant_gold']:.0%} of gold passages and "
+        f"{accuracy['called_relevant_others']:.0%} of answer-free retrieved ones relevant (accuracy "
+        f"{accuracy['accuracy']:.3f}, AUROC {accuracy['auroc']:.3f}).")
+    critic_parts = [] if accuracy is None else [
+        f"\nThe critic against labels (IsRel, {accuracy['questions']} test questions: the gold passage = relevant, up "
+        f"to four best-ranked retrieved passages without a reference answer = irrelevant; called relevant when "
+        f"s(IsRel) > 0.5):\n",
+        _common.markdown_table(["passages", "relevant", "accuracy", "AUROC", "gold called relevant",
+                                "others called relevant", "median s gold", "median s others"],
+                               [[accuracy["passages"], accuracy["relevant"], accuracy["accuracy"], accuracy["auroc"],
+                                 accuracy["called_relevant_gold"], accuracy["called_relevant_others"],
+                                 accuracy["median_s_gold"], accuracy["median_s_others"]]])]
+    if critic_rows:
+        critic_parts += [
+            f"\nCritic cost per passage (IsRel, IsSup, IsUse) on {args.cost_questions} questions' top-5 passages:\n",
+            _common.markdown_table(["method", "ms / passage", "forward passes / passage"],
+                                   [[r["method"], r["ms_per_passage"], r["forward_passes_per_passage"]]
+                                    for r in critic_rows])]
     text = "\n".join([
-        "### Self-RAG (bench_selfrag.py)\n",
+        f"### Self-RAG (bench_selfrag.py{'' if args.model == DEFAULT_MODEL else ', ' + args.model})\n",
         f"**Verdict:** over the top 5, the best self_rag ({best['condition']}, retrieving for "
         f"{best['retrieval_rate']:.0%} of test questions) reaches EM {best['em']:.3f} against plain's "
         f"{plain5['em']:.3f} over the same 5 passages (difference {best['em_minus_plain_top5']:+.3f}{ci(best)}) and "
         f"plain's {rows[0]['em']:.3f} over the default selection, at "
-        f"{best['input_tokens'] / plain5['input_tokens']:.1f}x plain top-5's input tokens and {best['p50_s'] / plain5['p50_s']:.1f}x its latency. The critic calls "
-        f"{accuracy['called_relevant_gold']:.0%} of gold passages and {accuracy['called_relevant_others']:.0%} of "
-        f"answer-free retrieved ones relevant (accuracy {accuracy['accuracy']:.3f}, AUROC {accuracy['auroc']:.3f}).\n",
+        f"{best['input_tokens'] / plain5['input_tokens']:.1f}x plain top-5's input tokens and "
+        f"{best['p50_s'] / plain5['p50_s']:.1f}x its latency.{critic_verdict}\n",
         f"{args.model} (no reflection tokens: label words after critique prompts), NQ-open test questions "
         f"(the first {args.questions}; {len(complete)} answered under every condition), store of bench_retrieval.py. "
         f"self_rag: the top 5 reranked passages, a segment per passage, beam 2, depth 2. Deltas chosen on the first "
         f"{chosen['train_questions']} NQ-open *train* questions as the quantiles of p_retrieve at which "
-        f"{', '.join(f'{r:.0%}' for r in RATES)} of them retrieve (train rates "
+        f"{', '.join(f'{r:.0%}' for r in args.rates)} of them retrieve (train rates "
         f"{', '.join(f'{r:.0%}' for r in chosen['train_rates'])}); Self-RAG's default 0.2 retrieves for every question "
         f"with this reader (p_retrieve quantiles on train: "
         f"{', '.join(f'{k}: {v:.3f}' for k, v in chosen['p_retrieve_quantiles'].items())}). EM - plain top-5: paired "
@@ -301,24 +353,14 @@ def main() -> None:
                                  f"{r['em_minus_plain_top5']:+.3f}{ci(r)}", r["f1"], r["input_tokens"],
                                  r["output_tokens"], r["p50_s"], r["retrieval_rate"], r["critic_passes"]]
                                 for r in rows]),
-        f"\nThe critic against labels (IsRel, {accuracy['questions']} test questions: the gold passage = relevant, up "
-        f"to four best-ranked retrieved passages without a reference answer = irrelevant; called relevant when "
-        f"s(IsRel) > 0.5):\n",
-        _common.markdown_table(["passages", "relevant", "accuracy", "AUROC", "gold called relevant",
-                                "others called relevant", "median s gold", "median s others"],
-                               [[accuracy["passages"], accuracy["relevant"], accuracy["accuracy"], accuracy["auroc"],
-                                 accuracy["called_relevant_gold"], accuracy["called_relevant_others"],
-                                 accuracy["median_s_gold"], accuracy["median_s_others"]]]),
-        f"\nCritic cost per passage (IsRel, IsSup, IsUse) on {args.cost_questions} questions' top-5 passages:\n",
-        _common.markdown_table(["method", "ms / passage", "forward passes / passage"],
-                               [[r["method"], r["ms_per_passage"], r["forward_passes_per_passage"]]
-                                for r in critic_rows]),
+        *critic_parts,
         _common.footer(meta)])
     print(text)
     engine.close()
+    section = _section(args)
     if not args.no_write:
-        _common.write_rows("bench_selfrag", rows + [accuracy] + critic_rows, meta)
-        _common.update_results_md("bench_selfrag", text)
+        _common.write_rows(section, measured, meta)
+        _common.update_results_md(section, text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+"""bench_selfrag's run bookkeeping (benchmarks/bench_selfrag.py): which train retrieval rates a run chooses its deltas
+for, and where a run with another reader or other rates keeps its rows and its RESULTS.md section, so it never
+overwrites the default run's."""
+
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture()
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_selfrag
+
+    return bench_selfrag
+
+
+def test_rates_are_parsed_and_bad_ones_refused(bench):
+    assert bench.parse_rates("0.75,0.5, 0.25") == (0.75, 0.5, 0.25)
+    assert bench.parse_rates("0.6") == (0.6,)
+    for bad in ("", "1", "0", "0.5,0.5", "-0.2", "half"):
+        with pytest.raises(ValueError, match="--rates"):
+            bench.parse_rates(bad)
+
+
+def test_another_reader_or_other_rates_get_their_own_files_and_section(bench):
+    default = Namespace(model=bench.DEFAULT_MODEL, questions=60, rates=bench.RATES)
+    assert bench._section(default) == "bench_selfrag"
+    assert bench._stem(default) == f"bench_selfrag-top5-{bench.DEFAULT_MODEL}-60q"
+    other = Namespace(model="qwen2.5-coder-1.5b-instruct", questions=300, rates=(0.75,))
+    assert bench._section(other) == "bench_selfrag-qwen2.5-coder-1.5b-instruct-rates0.75"
+    assert bench._stem(other) == "bench_selfrag-top5-qwen2.5-coder-1.5b-instruct-300q-rates0.75"
+    names = {bench._section(Namespace(model=m, questions=60, rates=r))
+             for m in (bench.DEFAULT_MODEL, "other") for r in (bench.RATES, (0.5,))}
+    assert len(names) == 4
+
+
+@pytest.mark.parametrize("argv, message", [(["--rates", "0.5,1.5"], "--rates"),
+                                           (["--critic-questions", "-1"], "--critic-questions")])
+def test_bad_arguments_are_refused_before_anything_loads(argv, message):
+    out = subprocess.run([sys.executable, str(BENCH / "bench_selfrag.py"), *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and message in out.stderr
