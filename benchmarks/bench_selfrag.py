@@ -55,16 +55,23 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def format_rates(rates, sep: str = ",") -> str:
+    return sep.join(f"{r:g}" for r in rates)
+
+
+def _rates_tag(args) -> str:
+    """"" for the default rates, else "-rates..." (other rates choose other deltas, so other conditions)."""
+    return "" if tuple(args.rates) == RATES else "-rates" + format_rates(args.rates, "_")
+
+
 def _stem(args) -> str:
-    """A run's files; a run with other rates than the default has its own (its deltas and conditions differ)."""
-    rates = "" if tuple(args.rates) == RATES else "-rates" + "_".join(f"{r:g}" for r in args.rates)
-    return f"bench_selfrag-top5-{args.model}-{args.questions}q{rates}"
+    """A run's files."""
+    return f"bench_selfrag-top5-{args.model}-{args.questions}q{_rates_tag(args)}"
 
 
 def _section(args) -> str:
     """The RESULTS.md section: the bundled default's keeps its name; another reader or other rates get their own."""
-    rates = _stem(args).removeprefix(f"bench_selfrag-top5-{args.model}-{args.questions}q")  # "" or "-rates..."
-    return "bench_selfrag" + ("" if args.model == DEFAULT_MODEL else f"-{args.model}") + rates
+    return "bench_selfrag" + ("" if args.model == DEFAULT_MODEL else f"-{args.model}") + _rates_tag(args)
 
 
 def _shard_path(args, shard: int, reverse: bool = False) -> Path:
@@ -176,7 +183,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--questions", type=int, default=100)
     p.add_argument("--delta-questions", type=int, default=200, help="train questions the deltas are chosen on")
-    p.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES),
+    p.add_argument("--rates", default=format_rates(RATES),
                    help="train retrieval rates the self_rag deltas are chosen for, one condition each")
     p.add_argument("--critic-questions", type=int, default=60,
                    help="test questions for the critic's accuracy (0: not measured)")
@@ -222,7 +229,7 @@ def main() -> None:
 
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # built once, before the workers
         forwarded = ["--questions", str(args.questions), "--model", args.model, "--workers", str(args.workers),
-                     "--rates", ",".join(f"{r:g}" for r in args.rates)]
+                     "--rates", format_rates(args.rates)]
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded,
                                    *(["--resume"] if args.resume else [])]) for i in range(args.workers)]
         for proc in procs:
@@ -290,13 +297,13 @@ def main() -> None:
                 naive_steps += gen.output_tokens
                 _ = [w for w in LABEL_WORDS[g] if w.lower() in gen.text.lower()]
         naive.append((time.perf_counter() - t) / len(passages))
-    critic_rows = [] if not args.cost_questions else [{"what": "critic_cost", "method": "certrag critic (one batched forward pass, full softmax)",
-                    "ms_per_passage": float(np.median(ours) * 1e3),
-                    "forward_passes_per_passage": n_pass / n_passages},
-                   {"what": "critic_cost", "method": "naive (generate the critique text, 3 calls of at most 8 tokens)",
-                    "ms_per_passage": float(np.median(naive) * 1e3),
-                    # measured: one forward pass per generated token (the first comes from the prefill's pass)
-                    "forward_passes_per_passage": naive_steps / n_passages}]
+    critic_rows = [] if not args.cost_questions else [
+        {"what": "critic_cost", "method": "certrag critic (one batched forward pass, full softmax)",
+         "ms_per_passage": float(np.median(ours) * 1e3), "forward_passes_per_passage": n_pass / n_passages},
+        {"what": "critic_cost", "method": "naive (generate the critique text, 3 calls of at most 8 tokens)",
+         "ms_per_passage": float(np.median(naive) * 1e3),
+         # measured: one forward pass per generated token (the first comes from the prefill's pass)
+         "forward_passes_per_passage": naive_steps / n_passages}]
     measured = rows + ([accuracy] if accuracy else []) + critic_rows
     for r in measured:
         print(r, file=sys.stderr)
