@@ -336,3 +336,17 @@ def test_segments_are_decoded_together_and_match_one_by_one(smollm):
         assert n == len(passages), rounds  # all of the round's segments submitted before the first wait
         assert [e[0] for e in rounds[i:i + n]] == ["result"] * n
         i += n
+
+
+def test_self_rag_on_an_openai_compatible_server_says_it_needs_a_local_model():
+    """Self-RAG reads next-token probabilities (and continues a prefix at depth 2), which a chat-completion server
+    does not expose: the strategy refuses before any request, naming what it needs, rather than failing mid-beam."""
+    from certrag.llm.openai_client import OpenAIChatClient
+    from certrag.strategies.self_rag import SelfRag
+    from certrag.llm.prompts import Passage
+
+    client = OpenAIChatClient("http://127.0.0.1:9", "m", retries=0)  # port 9 (discard): any request would fail
+    passages = [Passage(text="Paris is the capital of France.", title="France")]
+    for depth in (1, 2):
+        with pytest.raises(TypeError, match="local model"):
+            SelfRag(max_depth=depth).run("What is the capital of France?", passages, client)
