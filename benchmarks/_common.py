@@ -132,6 +132,33 @@ def update_results_md(name: str, markdown: str) -> None:
     tmp.replace(RESULTS_MD)
 
 
+def kernels(engine) -> dict:
+    """What decides a row's numbers besides the code: the native SIMD level and q8 kernel (capped by CERTRAG_SIMD),
+    torch's CPU capability (capped by ATEN_CPU_CAPABILITY) and the embedder's and reranker's backend. Greedy tokens can
+    differ between AVX2 and AVX-512 kernels, so every generating benchmark records them with each row and its report
+    says when a run's rows were made with more than one set (kernel_provenance)."""
+    import torch
+
+    from certrag import _core
+
+    info = _core.build_info()
+    return {"simd": info["simd_active"], "q8": info["q8_kernel"], "torch": torch.backends.cpu.get_cpu_capability(),
+            "encoders": f"{engine.embedder.backend.backend}/{engine.reranker.backend.backend}"}
+
+
+def kernel_provenance(rows: list[dict]) -> str:
+    """A sentence counting the questions by the kernels their rows were made with; empty when a run used one set.
+    rows: records with the question index "q" and, where recorded, "kernels"."""
+    made_with: dict = {}
+    for r in rows:
+        k = r.get("kernels")
+        made_with.setdefault(", ".join(f"{a} {b}" for a, b in k.items()) if k else "not recorded", set()).add(r["q"])
+    if len(made_with) < 2:
+        return ""
+    return " Questions by the kernels their rows were made with: " + "; ".join(
+        f"{k}: {len(v)}" for k, v in sorted(made_with.items())) + "."
+
+
 def footer(meta: dict) -> str:
     """The provenance lines closing every RESULTS.md section."""
     return (f"\nMachine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores; commit {meta['commit']}; "

@@ -102,19 +102,6 @@ def qualifying(engine, scan: int, ratios: bool) -> list:
     return out
 
 
-def kernels(engine) -> dict:
-    """What decides a row's numbers besides the code: the native SIMD level and q8 kernel (capped by CERTRAG_SIMD),
-    torch's CPU capability (capped by ATEN_CPU_CAPABILITY) and the embedder's and reranker's backend. Greedy tokens can
-    differ between AVX2 and AVX-512 kernels, so rows made on different CPUs say so, and the report counts them."""
-    import torch
-
-    from certrag import _core
-
-    info = _core.build_info()
-    return {"simd": info["simd_active"], "q8": info["q8_kernel"], "torch": torch.backends.cpu.get_cpu_capability(),
-            "encoders": f"{engine.embedder.backend.backend}/{engine.reranker.backend.backend}"}
-
-
 def run(args) -> None:
     _common.pin_threads(1, offset=args.shard or 0)
     from _nq import cached_embedder, nq_store
@@ -127,7 +114,7 @@ def run(args) -> None:
 
     engine, _ = nq_store(cached_embedder(args.backend), CrossEncoderReranker.default(args.backend))
     engine.llm = LocalLLM(args.model, weights=args.weights, num_threads=1)
-    env = kernels(engine)
+    env = _common.kernels(engine)
     print(f"kernels: {env}", file=sys.stderr)
     leads = [passage_text(t, x) for t, x, _ in wiki_leads()]
     chosen = qualifying(engine, args.scan, runs_ratios(args))[:args.questions]
@@ -191,12 +178,7 @@ def report(args) -> None:
     for r in rows:
         strategies_by_q.setdefault(r["q"], set()).add(r["strategy"])
     n_q = sum(1 for got in strategies_by_q.values() if set(STRATEGIES) <= got)  # as the table counts: paired
-    made_with: dict = {}
-    for r in rows:
-        k = r.get("kernels")
-        made_with.setdefault(", ".join(f"{a} {b}" for a, b in k.items()) if k else "not recorded", set()).add(r["q"])
-    provenance = ("" if len(made_with) < 2 else " Questions by the kernels their rows were made with: " + "; ".join(
-        f"{k}: {len(v)}" for k, v in sorted(made_with.items())) + ".")
+    provenance = _common.kernel_provenance(rows)
     need = "5 relevant and 5 noisy passages" if runs_ratios(args) else "5 answer-free candidates (the unanswerable condition alone)"
     text = "\n".join([
         f"## Chain-of-Note's noise protocol, as the paper runs it (bench_noise.py, {args.model})\n",

@@ -98,6 +98,7 @@ def worker(args) -> None:
 
     engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
     engine.llm = LocalLLM(args.model, weights=args.weights)
+    env = _common.kernels(engine)
     conditions = selected_conditions(args.conditions)
     last = max(_limit(noise, args) for _, (_, _, noise) in conditions)
     indexed = list(enumerate(load_nq_open(split="test")[:last]))[args.shard::args.workers]
@@ -116,7 +117,7 @@ def worker(args) -> None:
                 report = evaluate(engine, [item], strategy, noise_ratio=noise, k=K, progress=False,
                                   retrievals=retrievals)
                 row = report["rows"][0] if report["rows"] else None  # None: not eligible for this ratio
-                out.write(json.dumps({"q": qi, "condition": c, "row": row}) + "\n")
+                out.write(json.dumps({"q": qi, "condition": c, "row": row, "kernels": env}) + "\n")
                 out.flush()
             print(f"shard {args.shard}: question {qi} done", file=sys.stderr, flush=True)
 
@@ -186,9 +187,9 @@ def main() -> None:
                 raise SystemExit(f"a worker failed with exit code {proc.returncode}")
     conditions = dict(selected_conditions(args.conditions))
     by_q: dict[int, dict[int, dict | None]] = {}
-    for r in _records(args):
-        if args.below is None or r["q"] < args.below:
-            by_q.setdefault(r["q"], {})[r["condition"]] = r["row"]
+    used = [r for r in _records(args) if args.below is None or r["q"] < args.below]
+    for r in used:
+        by_q.setdefault(r["q"], {})[r["condition"]] = r["row"]
 
     # Paired sets: within a ratio, the questions every strategy of that ratio has answered (or skipped).
     ratio_conditions = collections.defaultdict(list)
@@ -277,7 +278,8 @@ def main() -> None:
          "answer-free candidates; a question qualifies with 5 of each (one set for every ratio; bench_noise.py runs "
          "the full protocol); 'eligible of asked' counts them. Costs use "
          "certrag's placeholder price table (0.10 / 0.40 per million input / output tokens), so only ratios between "
-         "strategies mean anything. p50 s = per answer, two workers on two cores, one torch thread each.\n"),
+         "strategies mean anything. p50 s = per answer, two workers on two cores, one torch thread each."
+         f"{_common.kernel_provenance(used)}\n"),
         markdown(summaries),
         ("\nFeedback loop (judge = the same reader; every round is judged and billed, and the loop stops on a score "
          "above the threshold, SAGE's 'higher than 9'): rounds "

@@ -128,6 +128,7 @@ def worker(args) -> None:
     items = list(enumerate(load_nq_open(split="test")[: args.questions]))[args.shard::args.workers]
     if args.reverse:  # a helper on a free core, taking a slow shard's questions from its end
         items = items[::-1]
+    env = _common.kernels(engine)
     runs = {"plain": (engine, "plain"), "plain top-5": (top5, "plain")}
     runs.update({name: (top5, SelfRag(delta=d)) for name, d in zip(conditions(deltas)[2:], deltas)})
     with path.open("a") as out:
@@ -147,7 +148,7 @@ def worker(args) -> None:
                        "s": time.perf_counter() - t, "retrieved": None if first is None else bool(first["retrieve"]),
                        "p_retrieve": None if first is None else first["p_retrieve"],
                        "passages": None if a.retrieval is None else int(a.retrieval.selected),
-                       "passes": (hist[-1].get("critic_forward_passes") if hist else None)}
+                       "passes": (hist[-1].get("critic_forward_passes") if hist else None), "kernels": env}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
             print(f"shard {args.shard}: question {qi} done", file=sys.stderr, flush=True)
@@ -353,7 +354,7 @@ def main() -> None:
         f"with this reader (p_retrieve quantiles on train: "
         f"{', '.join(f'{k}: {v:.3f}' for k, v in chosen['p_retrieve_quantiles'].items())}). EM - plain top-5: paired "
         f"by question, 95% bootstrap interval. p50 s: per answer, {args.workers} workers on their own cores, one torch "
-        "thread each.\n",
+        f"thread each.{_common.kernel_provenance([by_q[q][c] for q in complete for c in names])}\n",
         _common.markdown_table(["condition", "questions", "passages", "EM", "EM - plain top-5", "F1", "input tokens",
                                 "output tokens", "p50 s", "retrieval rate (test)", "critic passes / q"],
                                [[r["condition"], r["questions"], r["passages"], r["em"],

@@ -27,3 +27,22 @@ def test_workers_of_a_pinned_parent_land_on_different_cores():
                          check=True).stdout.split("\n")
     assert out[0] == str([allowed[0]])
     assert out[1] == str([allowed[1]])
+
+
+def test_kernel_provenance_counts_questions_by_the_kernels_their_rows_were_made_with():
+    """A run resumed on another CPU mixes rows made with different kernels (greedy tokens can differ between them):
+    the report counts distinct questions per kernel set, and says nothing when every row shares one."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _common
+    finally:
+        sys.path.remove(str(BENCH))
+    avx2 = {"simd": "avx2", "q8": "avx2"}
+    avx512 = {"simd": "avx512", "q8": "avx512-vnni"}
+    one_set = [{"q": q, "kernels": avx512} for q in (0, 0, 1)]
+    assert _common.kernel_provenance(one_set) == ""
+    mixed = one_set + [{"q": 2, "kernels": avx2}, {"q": 2, "kernels": avx2}, {"q": 3}]
+    text = _common.kernel_provenance(mixed)
+    assert "simd avx512, q8 avx512-vnni: 2" in text
+    assert "simd avx2, q8 avx2: 1" in text
+    assert "not recorded: 1" in text
