@@ -155,6 +155,23 @@ def worker(args) -> None:
     engine.close()
 
 
+def adaptive_split(out: dict[str, list[dict]]) -> list[dict]:
+    """Where adaptive retrieval acted: for each self_rag condition, its EM and plain top-5's on the same questions,
+    apart for the questions it retrieved for and those it answered without retrieval. out: condition -> rows, paired
+    by position (the same question at the same index in every list)."""
+    base = out["plain top-5"]
+    split = []
+    for name, rs in out.items():
+        if not name.startswith("self_rag"):
+            continue
+        for retrieved in (True, False):
+            idx = [i for i, r in enumerate(rs) if r["retrieved"] is retrieved]
+            split.append({"condition": name, "retrieved": retrieved, "questions": len(idx),
+                          "em": sum(rs[i]["em"] for i in idx) / len(idx) if idx else None,
+                          "em_plain_top5": sum(base[i]["em"] for i in idx) / len(idx) if idx else None})
+    return split
+
+
 def critic_accuracy(engine, critic, items) -> dict:
     """s(IsRel) on the gold passage (relevant) and on retrieved answer-free passages (irrelevant)."""
     import numpy as np
@@ -275,6 +292,7 @@ def main() -> None:
                      "critic_passes": float(np.mean([r["passes"] for r in rs])) if rs[0]["passes"] is not None
                      else None})
 
+    split = adaptive_split(out)
     critic = Critic(llm)
     accuracy = critic_accuracy(engine, critic, items[: args.critic_questions]) if args.critic_questions else None
     # Critic cost per passage: one batched forward pass against generating the critique text.
@@ -305,7 +323,7 @@ def main() -> None:
          "ms_per_passage": float(np.median(naive) * 1e3),
          # measured: one forward pass per generated token (the first comes from the prefill's pass)
          "forward_passes_per_passage": naive_steps / n_passages}]
-    measured = rows + ([accuracy] if accuracy else []) + critic_rows
+    measured = rows + [{"what": "adaptive_split", **r} for r in split] + ([accuracy] if accuracy else []) + critic_rows
     for r in measured:
         print(r, file=sys.stderr)
 
@@ -361,6 +379,12 @@ def main() -> None:
                                  f"{r['em_minus_plain_top5']:+.3f}{ci(r)}", r["f1"], r["input_tokens"],
                                  r["output_tokens"], r["p50_s"], r["retrieval_rate"], r["critic_passes"]]
                                 for r in rows]),
+        "\nWhere adaptive retrieval acted (each self_rag condition against plain top-5 on the same questions, "
+        "apart for the questions it retrieved for and those it answered from the reader alone):\n",
+        _common.markdown_table(["condition", "retrieved", "questions", "EM self_rag", "EM plain top-5"],
+                               [[r["condition"], "yes" if r["retrieved"] else "no", r["questions"],
+                                 "n/a" if r["em"] is None else r["em"],
+                                 "n/a" if r["em_plain_top5"] is None else r["em_plain_top5"]] for r in split]),
         *critic_parts,
         _common.footer(meta)])
     print(text)

@@ -46,3 +46,22 @@ def test_bad_arguments_are_refused_before_anything_loads(argv, message):
     out = subprocess.run([sys.executable, str(BENCH / "bench_selfrag.py"), *argv], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_adaptive_split_compares_self_rag_and_plain_on_the_questions_each_way_was_taken(bench):
+    """Four paired questions: self_rag retrieved for the first two (right on one), answered the last two without
+    retrieval (wrong on both); plain top-5 was right on questions 1, 2 and 3. Worked by hand."""
+    def rows(ems, retrieved):
+        return [{"em": e, "retrieved": r} for e, r in zip(ems, retrieved)]
+
+    out = {"plain": rows([1, 0, 0, 0], [None] * 4),
+           "plain top-5": rows([0, 1, 1, 1], [None] * 4),
+           "self_rag top-5 delta=0.8": rows([1, 0, 0, 0], [True, True, False, False])}
+    split = bench.adaptive_split(out)
+    assert split == [
+        {"condition": "self_rag top-5 delta=0.8", "retrieved": True, "questions": 2, "em": 0.5, "em_plain_top5": 0.5},
+        {"condition": "self_rag top-5 delta=0.8", "retrieved": False, "questions": 2, "em": 0.0,
+         "em_plain_top5": 1.0}]
+    always = {"plain top-5": rows([1, 0], [None] * 2), "self_rag top-5 delta=0": rows([1, 1], [True, True])}
+    assert bench.adaptive_split(always)[1] == {"condition": "self_rag top-5 delta=0", "retrieved": False,
+                                              "questions": 0, "em": None, "em_plain_top5": None}
