@@ -29,14 +29,11 @@ def test_workers_of_a_pinned_parent_land_on_different_cores():
     assert out[1] == str([allowed[1]])
 
 
-def test_kernel_provenance_counts_questions_by_the_kernels_their_rows_were_made_with():
+def test_kernel_provenance_counts_questions_by_the_kernels_their_rows_were_made_with(monkeypatch):
     """A run resumed on another CPU mixes rows made with different kernels (greedy tokens can differ between them):
     the report counts distinct questions per kernel set, and says nothing when every row shares one."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import _common
-    finally:
-        sys.path.remove(str(BENCH))
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
     avx2 = {"simd": "avx2", "q8": "avx2"}
     avx512 = {"simd": "avx512", "q8": "avx512-vnni"}
     one_set = [{"q": q, "kernels": avx512} for q in (0, 0, 1)]

@@ -342,8 +342,8 @@ def test_self_rag_on_an_openai_compatible_server_says_it_needs_a_local_model():
     """Self-RAG reads next-token probabilities (and continues a prefix at depth 2), which a chat-completion server
     does not expose: the strategy refuses before any request, naming what it needs, rather than failing mid-beam."""
     from certrag.llm.openai_client import OpenAIChatClient
-    from certrag.strategies.self_rag import SelfRag
     from certrag.llm.prompts import Passage
+    from certrag.strategies.self_rag import SelfRag
 
     client = OpenAIChatClient("http://127.0.0.1:9", "m", retries=0)  # port 9 (discard): any request would fail
     passages = [Passage(text="Paris is the capital of France.", title="France")]
