@@ -149,10 +149,19 @@ def report(args) -> None:
     for r in rows:
         if r["row"] is not None:
             by.setdefault((r["kind"], str(r["ratio"])), {}).setdefault(r["strategy"], {})[r["q"]] = r["row"]
+
+    def paired(kind, ratio) -> set:
+        got = by.get((kind, str(ratio)), {})
+        return set.intersection(*(set(got.get(s, {})) for s in STRATEGIES)) if got else set()
+
+    # The paper's protocol: one question set for every noise ratio. A run cut short mid-question leaves some of its
+    # ratios done and some not; the ratios are compared on the questions every one of them answered.
+    noisy = [paired(kind, ratio) for kind, ratio in conditions(args) if kind != "unanswerable"]
+    ratio_set = set.intersection(*noisy) if noisy else set()
     table, out_rows = [], []
     for kind, ratio in conditions(args):
         got = by.get((kind, str(ratio)), {})
-        qs = sorted(set.intersection(*(set(got.get(s, {})) for s in STRATEGIES))) if got else []
+        qs = sorted(paired(kind, ratio) if kind == "unanswerable" else ratio_set)
         if not qs:
             continue
         em = {s: np.array([0.0 if got[s][q]["rejected"] else got[s][q]["em"] for q in qs]) for s in STRATEGIES}
@@ -165,8 +174,8 @@ def report(args) -> None:
             lo, hi = _common.bootstrap(v)
             return f"{v.mean():.3f} [{lo:.2f}, {hi:.2f}]"
 
-        table.append([label, len(qs), ci(em["plain"]), ci(em["chain_of_note"]), ci(d_em), ci(rej["plain"]),
-                      ci(rej["chain_of_note"]), ci(d_rej), f"{mal['chain_of_note'].mean():.2f}"])
+        table.append([label, len(qs), f"{qs[0]}-{qs[-1]}", ci(em["plain"]), ci(em["chain_of_note"]), ci(d_em),
+                      ci(rej["plain"]), ci(rej["chain_of_note"]), ci(d_rej), f"{mal['chain_of_note'].mean():.2f}"])
         out_rows.append({"what": "noise_protocol", "kind": kind, "ratio": ratio, "n": len(qs),
                          "em_plain": float(em["plain"].mean()), "em_con": float(em["chain_of_note"].mean()),
                          "reject_plain": float(rej["plain"].mean()), "reject_con": float(rej["chain_of_note"].mean()),
@@ -179,18 +188,20 @@ def report(args) -> None:
         strategies_by_q.setdefault(r["q"], set()).add(r["strategy"])
     n_q = sum(1 for got in strategies_by_q.values() if set(STRATEGIES) <= got)  # as the table counts: paired
     provenance = _common.kernel_provenance(rows)
-    need = "5 relevant and 5 noisy passages" if runs_ratios(args) else "5 answer-free candidates (the unanswerable condition alone)"
     text = "\n".join([
         f"## Chain-of-Note's noise protocol, as the paper runs it (bench_noise.py, {args.model})\n",
         f"{args.model} ({args.weights}, greedy), NQ-open test questions over bench_retrieval's store; exactly 5 "
         "passages; relevant = retrieved answer-bearing passages (never injected), noisy = the best-ranked "
-        "answer-free candidates (hard) or random Wikipedia leads (random); one question set for every condition "
-        f"(the questions among the first {args.scan} with {need}; {n_q} answered by both strategies here). "
-        "Chain-of-Note is the paper's one pass (certrag.strategies.ChainOfNote default). Unanswerable: the same "
-        "questions answered from their top 5 answer-free candidates. Cells: mean [95% bootstrap interval]; "
-        f"differences are Chain-of-Note minus plain, paired by question.{provenance}\n",
-        _common.markdown_table(["noise", "n", "EM plain", "EM CoN", "EM CoN - plain", "reject plain",
-                                "reject CoN", "reject CoN - plain", "CoN malformed"], table),
+        "answer-free candidates (hard) or random Wikipedia leads (random). The noise ratios share one question set: "
+        "the NQ-open test questions with 5 retrieved answer-bearing and 5 answer-free passages, every ratio answered "
+        "by both strategies. Unanswerable: questions answered from their top 5 answer-free candidates (the store "
+        "with every passage that answers them removed); run with the ratios, the same questions; run alone, every "
+        "question with 5 answer-free candidates, so its set can differ (the 'test questions' column: the first and "
+        f"last test-split index used). {n_q} questions answered by both strategies in some condition here. "
+        "Chain-of-Note is the paper's one pass (certrag.strategies.ChainOfNote default). Cells: mean [95% bootstrap "
+        f"interval]; differences are Chain-of-Note minus plain, paired by question.{provenance}\n",
+        _common.markdown_table(["noise", "n", "test questions", "EM plain", "EM CoN", "EM CoN - plain",
+                                "reject plain", "reject CoN", "reject CoN - plain", "CoN malformed"], table),
         "",
         _common.footer(meta)])
     print(text)

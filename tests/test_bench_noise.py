@@ -82,9 +82,34 @@ def test_the_report_pairs_questions_and_counts_rows_by_kernels(bench, capsys):
     line = next(line for line in out.splitlines() if line.startswith("| unanswerable"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1] == "4"  # q4 has no Chain-of-Note row
-    assert "4 answered by both strategies here" in out  # the text counts as the table does
-    assert cells[5].startswith("0.500") and cells[6].startswith("0.500") and cells[7].startswith("0.000")
+    assert "4 questions answered by both strategies" in out  # the text counts as the table does
+    assert cells[2] == "0-3"  # the first and last test index paired
+    assert cells[6].startswith("0.500") and cells[7].startswith("0.500") and cells[8].startswith("0.000")
     assert "not recorded: 2" in out and "simd avx2" in out and ": 3" in out  # q2, q3, q4 were made with AVX2
+
+
+def _noisy(q, ratio, strategy, em):
+    return {"q": q, "kind": "hard", "ratio": ratio, "strategy": strategy,
+            "row": {"em": em, "rejected": False, "malformed": False}}
+
+
+def test_the_noise_ratios_share_one_question_set_and_unanswerable_keeps_its_own(bench, capsys):
+    # q10, q11: both ratios, both strategies. q12: ratio 0.6 done, 1.0 not (a run cut mid-question). Unanswerable
+    # ran alone earlier on q0-q2.
+    rows = [_noisy(q, r, s, em) for q in (10, 11) for r in (0.6, 1.0)
+            for s, em in (("plain", 1.0), ("chain_of_note", float(q == 10)))]
+    rows += [_noisy(12, 0.6, "plain", 0.0), _noisy(12, 0.6, "chain_of_note", 1.0)]
+    rows += [_row(q, s, q == 0) for q in range(3) for s in ("plain", "chain_of_note")]
+    _write_rows(bench, rows)
+    bench.report(_args(ratios="0.6,1.0"))
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    # Counted by hand: on q10 and q11 plain is right twice, Chain-of-Note once; q12 would make 0.6's CoN EM 2/3.
+    for label in ("0.6 hard", "1.0 hard"):
+        assert table[label][1:3] == ["2", "10-11"]
+        assert table[label][3].startswith("1.000") and table[label][4].startswith("0.500")
+    assert table["unanswerable (answer removed)"][1:3] == ["3", "0-2"]
+    assert table["unanswerable (answer removed)"][6].startswith("0.333")
 
 
 def test_an_empty_run_is_refused_before_anything_loads(bench, monkeypatch, capsys):
