@@ -23,6 +23,13 @@ file in benchmarks/data (--resume continues a run, --report-only summarises it);
 computed in one process, alone.
 
     python benchmarks/bench_selfrag.py --questions 100
+
+The paper's short-form protocol (run_short_form: one answer per passage of at most 100 tokens, the best-scored kept,
+scored by "match", a reference answer as written inside the answer; every row records match beside EM and F1), with
+a condition that retrieves for every question (the beam without adaptive retrieval):
+
+    python benchmarks/bench_selfrag.py --model qwen2.5-coder-1.5b-instruct --questions 300 --rates 0.75 \
+        --depth 1 --segment-tokens 100 --always-retrieve --critic-questions 0 --cost-questions 0
 """
 
 from __future__ import annotations
@@ -38,10 +45,14 @@ import _common  # noqa: E402
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 RATES = (0.75, 0.5, 0.25)  # the train retrieval rates the deltas are chosen for, by default
+DEPTH, SEGMENT_TOKENS = 2, 32  # the default beam; the paper's short-form runs are depth 1, 100 tokens
 
 
-def conditions(deltas) -> tuple[str, ...]:
-    return ("plain", "plain top-5", *[f"self_rag top-5 delta={d:.4f}" for d in deltas])
+ALWAYS = "self_rag top-5 always"  # the condition that retrieves for every question (the beam alone)
+
+
+def conditions(deltas, always: bool = False) -> tuple[str, ...]:
+    return ("plain", "plain top-5", *[f"self_rag top-5 delta={d:.4f}" for d in deltas], *([ALWAYS] if always else []))
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -64,14 +75,23 @@ def _rates_tag(args) -> str:
     return "" if tuple(args.rates) == RATES else "-rates" + format_rates(args.rates, "_")
 
 
+def _protocol_tag(args) -> str:
+    """"" for the default beam (depth 2, 32-token segments, no always-retrieve condition), else what differs."""
+    default = (args.depth, args.segment_tokens) == (DEPTH, SEGMENT_TOKENS)
+    tag = "" if default else f"-d{args.depth}s{args.segment_tokens}"
+    return tag + ("-always" if args.always_retrieve else "")
+
+
 def _stem(args) -> str:
     """A run's files."""
-    return f"bench_selfrag-top5-{args.model}-{args.questions}q{_rates_tag(args)}"
+    return f"bench_selfrag-top5-{args.model}-{args.questions}q{_rates_tag(args)}{_protocol_tag(args)}"
 
 
 def _section(args) -> str:
-    """The RESULTS.md section: the bundled default's keeps its name; another reader or other rates get their own."""
-    return "bench_selfrag" + ("" if args.model == DEFAULT_MODEL else f"-{args.model}") + _rates_tag(args)
+    """The RESULTS.md section: the bundled default's keeps its name; another reader, other rates or another protocol
+    get their own."""
+    return ("bench_selfrag" + ("" if args.model == DEFAULT_MODEL else f"-{args.model}") + _rates_tag(args)
+            + _protocol_tag(args))
 
 
 def _shard_path(args, shard: int, reverse: bool = False) -> Path:
@@ -112,7 +132,7 @@ def worker(args) -> None:
     run cut short keeps complete, paired questions; --resume continues it)."""
     _common.pin_threads(1, offset=args.shard + args.reverse)  # a helper: on the next core
     from certrag.data.nq import load_nq_open
-    from certrag.eval.metrics import exact_match, f1_score
+    from certrag.eval.metrics import exact_match, f1_score, substring_match
     from certrag.llm import LocalLLM
     from certrag.rerank import CrossEncoderReranker
     from certrag.strategies.self_rag import SelfRag
@@ -130,7 +150,10 @@ def worker(args) -> None:
         items = items[::-1]
     env = _common.kernels(engine)
     runs = {"plain": (engine, "plain"), "plain top-5": (top5, "plain")}
-    runs.update({name: (top5, SelfRag(delta=d)) for name, d in zip(conditions(deltas)[2:], deltas)})
+    beam = {"max_depth": args.depth, "segment_tokens": args.segment_tokens}
+    runs.update({name: (top5, SelfRag(delta=d, **beam)) for name, d in zip(conditions(deltas)[2:], deltas)})
+    if args.always_retrieve:  # p_retrieve is a probability, so it always exceeds -inf
+        runs[ALWAYS] = (top5, SelfRag(delta=float("-inf"), **beam))
     with path.open("a") as out:
         for qi, it in items:
             if args.reverse:  # stop where the shard's own worker has got to
@@ -144,7 +167,8 @@ def worker(args) -> None:
                 hist = a.trace.get("history", [])
                 first = next((h for h in hist if "retrieve" in h and "segment" not in h), None)
                 row = {"q": qi, "condition": name, "em": exact_match(a.text, it.answers),
-                       "f1": f1_score(a.text, it.answers), "in": a.input_tokens, "out": a.output_tokens,
+                       "f1": f1_score(a.text, it.answers), "match": substring_match(a.text, it.answers),
+                       "in": a.input_tokens, "out": a.output_tokens,
                        "s": time.perf_counter() - t, "retrieved": None if first is None else bool(first["retrieve"]),
                        "p_retrieve": None if first is None else first["p_retrieve"],
                        "passages": None if a.retrieval is None else int(a.retrieval.selected),
@@ -207,6 +231,10 @@ def main() -> None:
                    help="test questions for the critic's accuracy (0: not measured)")
     p.add_argument("--cost-questions", type=int, default=10,
                    help="test questions for the critic's cost (0: not measured)")
+    p.add_argument("--depth", type=int, default=DEPTH, help="self_rag's beam depth (segments per answer)")
+    p.add_argument("--segment-tokens", type=int, default=SEGMENT_TOKENS, help="each segment's token budget")
+    p.add_argument("--always-retrieve", action="store_true",
+                   help="also run self_rag retrieving for every question (the beam without adaptive retrieval)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--workers", type=int, default=2, help="processes answering, one torch thread and one core each")
     p.add_argument("--resume", action="store_true", help="keep the rows already in the shard files")
@@ -215,7 +243,7 @@ def main() -> None:
     p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--reverse", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    for name in ("questions", "workers", "delta_questions"):
+    for name in ("questions", "workers", "delta_questions", "depth", "segment_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("critic_questions", "cost_questions"):
@@ -247,7 +275,9 @@ def main() -> None:
 
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # built once, before the workers
         forwarded = ["--questions", str(args.questions), "--model", args.model, "--workers", str(args.workers),
-                     "--rates", format_rates(args.rates)]
+                     "--rates", format_rates(args.rates), "--depth", str(args.depth),
+                     "--segment-tokens", str(args.segment_tokens),
+                     *(["--always-retrieve"] if args.always_retrieve else [])]
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded,
                                    *(["--resume"] if args.resume else [])]) for i in range(args.workers)]
         for proc in procs:
@@ -264,7 +294,7 @@ def main() -> None:
     from _nq import cached_embedder, nq_store
 
     chosen = json.loads(_deltas_path(args).read_text())
-    names = conditions(chosen["deltas"])
+    names = conditions(chosen["deltas"], args.always_retrieve)
     by_q: dict[int, dict[str, dict]] = {}
     for r in _rows(args):
         by_q.setdefault(r["q"], {})[r["condition"]] = r
@@ -281,8 +311,11 @@ def main() -> None:
         ret = [r["retrieved"] for r in rs if r["retrieved"] is not None]
         em = np.array([r["em"] for r in rs])
         lo, hi = _common.bootstrap(em - base)
+        # match (the paper's short-form metric): rows made before it was recorded have none
+        match = float(np.mean([r["match"] for r in rs])) if all("match" in r for r in rs) else None
         rows.append({"what": "selfrag_qa", "condition": name, "questions": len(rs), "em": float(em.mean()),
-                     "f1": float(np.mean([r["f1"] for r in rs])), "em_minus_plain_top5": float((em - base).mean()),
+                     "f1": float(np.mean([r["f1"] for r in rs])), "match": match,
+                     "em_minus_plain_top5": float((em - base).mean()),
                      "em_minus_plain_top5_ci": [lo, hi],
                      "passages": float(np.mean([r["passages"] for r in rs if r["passages"] is not None] or [0])),
                      "input_tokens": float(np.mean([r["in"] for r in rs])),
@@ -365,7 +398,10 @@ def main() -> None:
         f"{best['p50_s'] / plain5['p50_s']:.1f}x its latency.{critic_verdict}\n",
         f"{args.model} (no reflection tokens: label words after critique prompts), NQ-open test questions "
         f"(the first {args.questions}; {len(complete)} answered under every condition), store of bench_retrieval.py. "
-        f"self_rag: the top 5 reranked passages, a segment per passage, beam 2, depth 2. Deltas chosen on the first "
+        f"self_rag: the top 5 reranked passages, a segment per passage ({args.segment_tokens} tokens at most, its "
+        f"first sentence kept), beam 2, depth {args.depth}"
+        f"{'; always: retrieving for every question' if args.always_retrieve else ''}. match: a reference answer, as "
+        f"written, inside the answer (Self-RAG's short-form metric). Deltas chosen on the first "
         f"{chosen['train_questions']} NQ-open *train* questions as the quantiles of p_retrieve at which "
         f"{', '.join(f'{r:.0%}' for r in args.rates)} of them retrieve (train rates "
         f"{', '.join(f'{r:.0%}' for r in chosen['train_rates'])}); Self-RAG's default 0.2 retrieves for every question "
@@ -373,10 +409,12 @@ def main() -> None:
         f"{', '.join(f'{k}: {v:.3f}' for k, v in chosen['p_retrieve_quantiles'].items())}). EM - plain top-5: paired "
         f"by question, 95% bootstrap interval. p50 s: per answer, {args.workers} workers on their own cores, one torch "
         f"thread each.{_common.kernel_provenance([by_q[q][c] for q in complete for c in names])}\n",
-        _common.markdown_table(["condition", "questions", "passages", "EM", "EM - plain top-5", "F1", "input tokens",
-                                "output tokens", "p50 s", "retrieval rate (test)", "critic passes / q"],
+        _common.markdown_table(["condition", "questions", "passages", "EM", "EM - plain top-5", "F1", "match",
+                                "input tokens", "output tokens", "p50 s", "retrieval rate (test)",
+                                "critic passes / q"],
                                [[r["condition"], r["questions"], r["passages"], r["em"],
-                                 f"{r['em_minus_plain_top5']:+.3f}{ci(r)}", r["f1"], r["input_tokens"],
+                                 f"{r['em_minus_plain_top5']:+.3f}{ci(r)}", r["f1"],
+                                 "n/a" if r["match"] is None else r["match"], r["input_tokens"],
                                  r["output_tokens"], r["p50_s"], r["retrieval_rate"], r["critic_passes"]]
                                 for r in rows]),
         "\nWhere adaptive retrieval acted (each self_rag condition against plain top-5 on the same questions, "

@@ -28,20 +28,42 @@ def test_rates_are_parsed_and_bad_ones_refused(bench):
             bench.parse_rates(bad)
 
 
+def _args(bench, **kw):
+    base = dict(model=bench.DEFAULT_MODEL, questions=60, rates=bench.RATES, depth=2, segment_tokens=32,
+                always_retrieve=False)
+    return Namespace(**{**base, **kw})
+
+
 def test_another_reader_or_other_rates_get_their_own_files_and_section(bench):
-    default = Namespace(model=bench.DEFAULT_MODEL, questions=60, rates=bench.RATES)
+    default = _args(bench)
     assert bench._section(default) == "bench_selfrag"
     assert bench._stem(default) == f"bench_selfrag-top5-{bench.DEFAULT_MODEL}-60q"
-    other = Namespace(model="qwen2.5-coder-1.5b-instruct", questions=300, rates=(0.75,))
+    other = _args(bench, model="qwen2.5-coder-1.5b-instruct", questions=300, rates=(0.75,))
     assert bench._section(other) == "bench_selfrag-qwen2.5-coder-1.5b-instruct-rates0.75"
     assert bench._stem(other) == "bench_selfrag-top5-qwen2.5-coder-1.5b-instruct-300q-rates0.75"
-    names = {bench._section(Namespace(model=m, questions=60, rates=r))
+    names = {bench._section(_args(bench, model=m, rates=r))
              for m in (bench.DEFAULT_MODEL, "other") for r in (bench.RATES, (0.5,))}
     assert len(names) == 4
 
 
+def test_the_short_form_protocol_keeps_its_own_rows_and_adds_the_always_retrieve_condition(bench):
+    """The paper's short form (depth 1, 100-token answers) with an always-retrieve condition must not append to, or
+    report over, the default beam's rows: its conditions differ."""
+    short = _args(bench, model="qwen2.5-coder-1.5b-instruct", questions=300, rates=(0.75,), depth=1,
+                  segment_tokens=100, always_retrieve=True)
+    assert bench._stem(short) == "bench_selfrag-top5-qwen2.5-coder-1.5b-instruct-300q-rates0.75-d1s100-always"
+    assert bench._section(short) == "bench_selfrag-qwen2.5-coder-1.5b-instruct-rates0.75-d1s100-always"
+    assert bench._stem(_args(bench, depth=1)) != bench._stem(_args(bench))
+    assert bench._stem(_args(bench, always_retrieve=True)) != bench._stem(_args(bench))
+    assert bench.conditions([0.8], always=True) == ("plain", "plain top-5", "self_rag top-5 delta=0.8000",
+                                                    "self_rag top-5 always")
+    assert bench.conditions([0.8]) == ("plain", "plain top-5", "self_rag top-5 delta=0.8000")
+
+
 @pytest.mark.parametrize("argv, message", [(["--rates", "0.5,1.5"], "--rates"),
-                                           (["--critic-questions", "-1"], "--critic-questions")])
+                                           (["--critic-questions", "-1"], "--critic-questions"),
+                                           (["--depth", "0"], "--depth"),
+                                           (["--segment-tokens", "0"], "--segment-tokens")])
 def test_bad_arguments_are_refused_before_anything_loads(argv, message):
     out = subprocess.run([sys.executable, str(BENCH / "bench_selfrag.py"), *argv], capture_output=True, text=True,
                          timeout=120)

@@ -47,3 +47,11 @@ def answer_in_text(text: str, answers: list[str] | tuple[str, ...]) -> bool:
     """Whether any normalised gold answer occurs in the normalised text (the 'gold string contained' rule)."""
     t = f" {normalize_answer(text)} "
     return any(f" {normalize_answer(a)} " in t for a in answers if normalize_answer(a))
+
+
+def substring_match(prediction: str, answers: list[str] | tuple[str, ...]) -> float:
+    """Self-RAG's short-form metric "match" (Asai et al., 2024; PopQA / TriviaQA): 1.0 when any gold answer, as
+    written, is a substring of the prediction. Unlike answer_in_text nothing is normalised (case and punctuation
+    count) and no word boundary is required, so "six" matches "sixty"; it is kept as the paper scores, for
+    comparison with its tables."""
+    return float(any(a and a in prediction for a in answers))

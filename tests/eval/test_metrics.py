@@ -2,7 +2,7 @@
 
 import pytest
 
-from certrag.eval.metrics import answer_in_text, exact_match, f1_score, normalize_answer
+from certrag.eval.metrics import answer_in_text, exact_match, f1_score, normalize_answer, substring_match
 
 
 def test_normalisation():
@@ -32,3 +32,12 @@ def test_f1_hand_computed():
 def test_answer_in_text():
     assert answer_in_text("It was won by the Boston Red Sox in 2004.", ["Boston Red Sox"])
     assert not answer_in_text("Redsox", ["Red Sox"])
+
+
+def test_substring_match_is_the_papers_raw_containment():
+    # Self-RAG's "match": the gold string as written inside the prediction, case and punctuation counted
+    assert substring_match("It was won by Norway in 1924.", ["Norway"]) == 1.0
+    assert substring_match("norway", ["Norway"]) == 0.0  # no lower-casing (EM / answer_in_text would accept it)
+    assert substring_match("sixty", ["six"]) == 1.0  # no word boundary (answer_in_text would refuse it)
+    assert substring_match("6", ["six", "Six"]) == 0.0
+    assert substring_match("anything", ["", "x"]) == 0.0  # an empty gold string matches nothing
