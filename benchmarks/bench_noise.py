@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,6 +32,7 @@ import _common  # noqa: E402
 K = 5
 STRATEGIES = ("plain", "chain_of_note")
 DEFAULT_READER = "qwen2.5-coder-0.5b-instruct"
+ARCHIVE_EVERY_S = 600  # a running shard refreshes the committed archive this often
 
 
 def conditions(args) -> list[tuple[str, object]]:
@@ -78,10 +80,12 @@ def write_archive(args) -> None:
     import gzip
 
     archive = archive_path(args)
-    tmp = archive.with_suffix(".tmp")
+    data = rows_path(args).read_bytes()
+    data = data[:data.rfind(b"\n") + 1]  # whole rows only: another shard may be writing one
+    tmp = archive.with_suffix(f".{os.getpid()}.tmp")  # each shard its own, so two never mix their bytes
     # mtime=0: the same rows give the same bytes, so an unchanged archive shows no diff
     with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-        gz.write(rows_path(args).read_bytes())
+        gz.write(data)
     tmp.replace(archive)
 
 
@@ -124,6 +128,7 @@ def run(args) -> None:
     done = set()
     if path.exists():
         done = {(r["q"], r["kind"], str(r["ratio"]), r["strategy"]) for r in map(json.loads, path.open())}
+    archived = time.monotonic()
     with path.open("a") as out:
         for qi, item in mine:
             retrievals: dict = {}
@@ -139,6 +144,9 @@ def run(args) -> None:
                                           "row": row, "kernels": env}) + "\n")
                     out.flush()
             print(f"question {qi} done", file=sys.stderr, flush=True)
+            if not args.no_write and time.monotonic() - archived > ARCHIVE_EVERY_S:
+                write_archive(args)  # benchmarks/data is scratch: a run cut short keeps what it made
+                archived = time.monotonic()
 
 
 def report(args) -> None:

@@ -61,6 +61,17 @@ def test_the_archive_round_trips_and_is_byte_stable(bench):
     assert not list(path.parent.glob("*.tmp"))
 
 
+def test_the_archive_keeps_whole_rows_while_a_shard_is_writing_one(bench):
+    rows = [_row(q, "plain", False) for q in range(2)]
+    path = _write_rows(bench, rows)
+    with path.open("a") as out:
+        out.write(json.dumps(_row(2, "plain", True))[:20])  # a second shard mid-write
+    bench.write_archive(_args())
+    archived = gzip.decompress(bench.archive_path(_args()).read_bytes()).decode()
+    assert [json.loads(line) for line in archived.splitlines()] == rows
+    assert not list(bench.archive_path(_args()).parent.glob("*.tmp"))
+
+
 def test_seeding_keeps_rows_already_there(bench):
     path = _write_rows(bench, [_row(0, "plain", True)])
     bench.write_archive(_args())
