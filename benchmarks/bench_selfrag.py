@@ -399,7 +399,7 @@ def main() -> None:
         f"{args.model} (no reflection tokens: label words after critique prompts), NQ-open test questions "
         f"(the first {args.questions}; {len(complete)} answered under every condition), store of bench_retrieval.py. "
         f"self_rag: the top 5 reranked passages, a segment per passage ({args.segment_tokens} tokens at most, its "
-        f"first sentence kept), beam 2, depth {args.depth}"
+        f"{'whole generation' if args.depth == 1 else 'first sentence'} kept), beam 2, depth {args.depth}"
         f"{'; always: retrieving for every question' if args.always_retrieve else ''}. match: a reference answer, as "
         f"written, inside the answer (Self-RAG's short-form metric). Deltas chosen on the first "
         f"{chosen['train_questions']} NQ-open *train* questions as the quantiles of p_retrieve at which "

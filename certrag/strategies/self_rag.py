@@ -16,7 +16,7 @@ prompt per group, and the group's probabilities are those of its label words' fi
 
 Segment score: (p(segment) + w_rel s(IsRel) + w_sup s(IsSup) + w_use s(IsUse)) / (1 + the absolute weights of the
 groups present), with p(segment) the geometric mean of the probabilities of the tokens the segment keeps (its first
-sentence, not the whole generation). Dividing by the weights present, as the reference code normalises its critique
+sentence when the path may continue; the whole generation when max_depth is 1). Dividing by the weights present, as the reference code normalises its critique
 by what it read, puts a segment written without retrieval (IsUse only) on the same scale as one with all three
 groups: unnormalised, it would lose up to w_rel + w_sup points in the same beam for lacking terms, not for being
 worse. A path's score is the *mean* of its segments' scores: additive, so a path whose every segment scores at least
@@ -375,7 +375,9 @@ class SelfRag:
                                       for i in use], self.segment_tokens, prefix=(prior + " ") if prior else "",
                                 record_lookback=record_lookback)
             calls.extend(gens)
-            texts = [_segment_text(g.text) for g in gens]
+            # A path that can go on keeps one sentence per segment; with max_depth 1 nothing continues it, so the
+            # segment is the whole generation (the paper's short-form setting: one answer per passage, kept whole).
+            texts = [g.text.strip() if self.max_depth == 1 else _segment_text(g.text) for g in gens]
             crit = critic.critique(question, [passages[i].text if i >= 0 else None for i in use], texts, prior)
             out = []
             for j, (i, g, t, probs) in enumerate(zip(use, gens, texts, crit)):

@@ -232,6 +232,32 @@ def test_self_rag_answers_with_the_real_small_model(smollm):
     assert [h["passage"] for h in res.history if "segment" in h] == [-1] and res.cited == ()
 
 
+def test_at_depth_one_a_segment_is_the_whole_generation_and_deeper_it_is_a_sentence(smollm):
+    """The paper's short-form setting (max_depth 1): one answer per passage, kept whole and scored on all its tokens;
+    a path that may continue keeps one sentence per segment."""
+    import math
+
+    from certrag.llm.prompts import Passage
+    from certrag.strategies.self_rag import SelfRag
+
+    passages = [Passage("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It "
+                        "is named after the engineer Gustave Eiffel, whose company designed and built the tower from "
+                        "1887 to 1889.", chunk_id=1)]
+    question = "Describe the Eiffel Tower and who built it."
+    res = SelfRag(max_depth=1, delta=0.0, segment_tokens=48).run(question, passages, smollm)
+    whole = res.calls[res.answer_call].text.strip()
+    first = whole.split(". ")[0] + "."
+    assert len(first) < len(whole)  # the reader wrote more than one sentence (the case this test is about)
+    assert res.text == whole
+    lps = res.calls[res.answer_call].token_logprobs
+    segment = next(h for h in res.history if "segment" in h)
+    assert segment["p_segment"] == pytest.approx(math.exp(sum(lps) / len(lps)), rel=1e-9)
+
+    deeper = SelfRag(max_depth=2, delta=0.0, segment_tokens=48).run(question, passages, smollm)
+    first_segments = [h["segment"] for h in deeper.history if h.get("depth") == 0 and "segment" in h]
+    assert first_segments == [deeper.calls[0].text.strip().split(". ")[0] + "."]
+
+
 def test_engine_answer_with_self_rag_cites_the_chosen_passages(tmp_path, smollm):
     from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig
     from certrag.engine import Engine
