@@ -15,12 +15,22 @@ def nq_config():
 
 def nq_store(embedder, reranker):
     """Opens (or builds) the store of NQ-open gold passages + Wikipedia leads, chunked one passage per chunk."""
+    import fcntl
+
+    store = _common.DATA_DIR / "nq_store"
+    store.parent.mkdir(parents=True, exist_ok=True)
+    # Shards of one benchmark start together: the first builds the store, the others wait for it and open it.
+    with open(store.parent / "nq_store.build-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _open_or_build(store, embedder, reranker)
+
+
+def _open_or_build(store, embedder, reranker):
     from certrag.engine import Engine
     from certrag.data.corpora import retrieval_corpus
 
     corpus = retrieval_corpus()
     config = nq_config()
-    store = _common.DATA_DIR / "nq_store"
     if (store / "CURRENT").exists():
         # Read-only: several benchmark workers may hold it at once.
         engine = Engine.open(store, read_only=True, embedder=embedder, reranker=reranker)
