@@ -28,7 +28,7 @@ The paper's short-form protocol (run_short_form: one answer per passage of at mo
 scored by "match", a reference answer as written inside the answer; every row records match beside EM and F1), with
 a condition that retrieves for every question (the beam without adaptive retrieval):
 
-    python benchmarks/bench_selfrag.py --model qwen2.5-coder-1.5b-instruct --questions 300 --rates 0.75 \
+    python benchmarks/bench_selfrag.py --model qwen2.5-coder-1.5b-instruct --questions 300 --rates 0.75 \\
         --depth 1 --segment-tokens 100 --always-retrieve --critic-questions 0 --cost-questions 0
 """
 
