@@ -121,7 +121,9 @@ def run(args) -> None:
     env = _common.kernels(engine)
     print(f"kernels: {env}", file=sys.stderr)
     leads = [passage_text(t, x) for t, x, _ in wiki_leads()]
-    chosen = qualifying(engine, args.scan, runs_ratios(args))[:args.questions]
+    qualified = qualifying(engine, args.scan, runs_ratios(args))
+    print(f"{len(qualified)} of the first {args.scan} test questions qualify", file=sys.stderr)
+    chosen = qualified[:args.questions]
     mine = chosen[(args.shard or 0)::args.workers]
     seed_from_archive(args)
     path = rows_path(args)
@@ -141,7 +143,9 @@ def run(args) -> None:
                                       progress=False, retrievals=retrievals)
                     row = report["rows"][0] if report["rows"] else None
                     out.write(json.dumps({"q": qi, "kind": kind, "ratio": ratio, "strategy": strategy,
-                                          "row": row, "kernels": env}) + "\n")
+                                          "row": row, "kernels": env,
+                                          "qualify": {"scan": args.scan, "questions": len(qualified),
+                                                      "ratios": runs_ratios(args)}}) + "\n")
                     out.flush()
             print(f"question {qi} done", file=sys.stderr, flush=True)
             if not args.no_write and time.monotonic() - archived > ARCHIVE_EVERY_S:
@@ -196,6 +200,12 @@ def report(args) -> None:
         strategies_by_q.setdefault(r["q"], set()).add(r["strategy"])
     n_q = sum(1 for got in strategies_by_q.values() if set(STRATEGIES) <= got)  # as the table counts: paired
     provenance = _common.kernel_provenance(rows)
+    # How many questions the protocol admits (issue 33 asks for it): recorded by the run in each row since session 29.
+    counts = {(r["qualify"]["scan"], r["qualify"]["ratios"], r["qualify"]["questions"]) for r in rows if "qualify" in r}
+    qualify = "".join(
+        f" Of the first {scan} NQ-open test questions, {n} qualify "
+        f"{'for the noise ratios' if ratios else 'for the unanswerable condition alone'}."
+        for scan, ratios, n in sorted(counts))
     text = "\n".join([
         f"## Chain-of-Note's noise protocol, as the paper runs it (bench_noise.py, {args.model})\n",
         f"{args.model} ({args.weights}, greedy), NQ-open test questions over bench_retrieval's store; exactly 5 "
@@ -205,7 +215,7 @@ def report(args) -> None:
         "by both strategies. Unanswerable: questions answered from their top 5 answer-free candidates (the store "
         "with every passage that answers them removed); run with the ratios, the same questions; run alone, every "
         "question with 5 answer-free candidates, so its set can differ (the 'test questions' column: the first and "
-        f"last test-split index used). {n_q} questions answered by both strategies in some condition here. "
+        f"last test-split index used).{qualify} {n_q} questions answered by both strategies in some condition here. "
         "Chain-of-Note is the paper's one pass (certrag.strategies.ChainOfNote default). Cells: mean [95% bootstrap "
         f"interval]; differences are Chain-of-Note minus plain, paired by question.{provenance}\n",
         _common.markdown_table(["noise", "n", "test questions", "EM plain", "EM CoN", "EM CoN - plain",

@@ -99,6 +99,15 @@ def test_the_report_pairs_questions_and_counts_rows_by_kernels(bench, capsys):
     assert "not recorded: 2" in out and "simd avx2" in out and ": 3" in out  # q2, q3, q4 were made with AVX2
 
 
+def test_the_report_says_how_many_questions_qualify(bench, capsys):
+    rows = [{**_row(q, s, False), "qualify": {"scan": 400, "questions": 57, "ratios": True}}
+            for q in range(2) for s in ("plain", "chain_of_note")]
+    rows.append(_row(2, "plain", True))  # a row from before the count was recorded
+    _write_rows(bench, rows)
+    bench.report(_args())
+    assert "Of the first 400 NQ-open test questions, 57 qualify for the noise ratios." in capsys.readouterr().out
+
+
 def _noisy(q, ratio, strategy, em):
     return {"q": q, "kind": "hard", "ratio": ratio, "strategy": strategy,
             "row": {"em": em, "rejected": False, "malformed": False}}
