@@ -124,6 +124,7 @@ def run(args) -> None:
     qualified = qualifying(engine, args.scan, runs_ratios(args))
     print(f"{len(qualified)} of the first {args.scan} test questions qualify", file=sys.stderr)
     chosen = qualified[:args.questions]
+    qualify = {"scan": args.scan, "questions": len(qualified), "ratios": runs_ratios(args)}
     mine = chosen[(args.shard or 0)::args.workers]
     seed_from_archive(args)
     path = rows_path(args)
@@ -143,9 +144,7 @@ def run(args) -> None:
                                       progress=False, retrievals=retrievals)
                     row = report["rows"][0] if report["rows"] else None
                     out.write(json.dumps({"q": qi, "kind": kind, "ratio": ratio, "strategy": strategy,
-                                          "row": row, "kernels": env,
-                                          "qualify": {"scan": args.scan, "questions": len(qualified),
-                                                      "ratios": runs_ratios(args)}}) + "\n")
+                                          "row": row, "kernels": env, "qualify": qualify}) + "\n")
                     out.flush()
             print(f"question {qi} done", file=sys.stderr, flush=True)
             if not args.no_write and time.monotonic() - archived > ARCHIVE_EVERY_S:

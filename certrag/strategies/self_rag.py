@@ -16,12 +16,12 @@ prompt per group, and the group's probabilities are those of its label words' fi
 
 Segment score: (p(segment) + w_rel s(IsRel) + w_sup s(IsSup) + w_use s(IsUse)) / (1 + the absolute weights of the
 groups present), with p(segment) the geometric mean of the probabilities of the tokens the segment keeps (its first
-sentence when the path may continue; the whole generation when max_depth is 1). Dividing by the weights present, as the reference code normalises its critique
-by what it read, puts a segment written without retrieval (IsUse only) on the same scale as one with all three
-groups: unnormalised, it would lose up to w_rel + w_sup points in the same beam for lacking terms, not for being
-worse. A path's score is the *mean* of its segments' scores: additive, so a path whose every segment scores at least
-another's never ranks below it, whatever the signs (a product, as in the reference code, inverts rankings once a term
-is negative), and a mean, so paths of different depths compare fairly.
+sentence when the path may continue; the whole generation when max_depth is 1). Dividing by the weights present, as
+the reference code normalises its critique by what it read, puts a segment written without retrieval (IsUse only) on
+the same scale as one with all three groups: unnormalised, it would lose up to w_rel + w_sup points in the same beam
+for lacking terms, not for being worse. A path's score is the *mean* of its segments' scores: additive, so a path
+whose every segment scores at least another's never ranks below it, whatever the signs (a product, as in the
+reference code, inverts rankings once a term is negative), and a mean, so paths of different depths compare fairly.
 """
 
 from __future__ import annotations
