@@ -114,9 +114,57 @@ def shard_path(stem: str, shard: int, workers: int, reverse: bool = False) -> Pa
 
 
 def shard_rows(stem: str, workers: int) -> list[dict]:
-    """Every row a sharded run has written so far: its workers' files and their helpers'."""
-    paths = [shard_path(stem, i, workers, rev) for i in range(workers) for rev in (False, True)]
-    return [json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines()]
+    """Every row a sharded run has written so far: its workers' files and their helpers' (whole rows only: a worker
+    may be writing one)."""
+    rows = []
+    for path in shard_paths(stem, workers):
+        if path.exists():
+            text = path.read_text()
+            rows += [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+    return rows
+
+
+def shard_paths(stem: str, workers: int) -> list[Path]:
+    """The rows files a sharded run may have: each worker's and its helper's."""
+    return [shard_path(stem, i, workers, rev) for i in range(workers) for rev in (False, True)]
+
+
+def archive_rows(sources: list[Path], archive: Path) -> None:
+    """Keeps the rows of a long run's files (benchmarks/data is scratch) in a committed, gzipped copy: whole rows only
+    (a worker may be writing one), written atomically; mtime 0, so the same rows give the same bytes and an unchanged
+    archive shows no diff."""
+    import gzip
+
+    data = b""
+    for path in sources:
+        if path.exists():
+            chunk = path.read_bytes()
+            data += chunk[:chunk.rfind(b"\n") + 1]
+    tmp = archive.with_suffix(f".{os.getpid()}.tmp")  # each process its own, so two never mix their bytes
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        gz.write(data)
+    tmp.replace(archive)
+
+
+def seed_rows(path: Path, archive: Path) -> int | None:
+    """Starts the rows file `path` from its committed archive when the file is absent (a fresh clone or machine), so
+    a run continues where the archive left it; returns the rows seeded, or None when nothing was seeded. Made by a
+    hard link, create-if-absent: a process that seeded (and may be appending) first is kept."""
+    import gzip
+
+    if path.exists() or not archive.exists():
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    with gzip.open(archive, "rt") as src:
+        tmp.write_text(src.read())
+    try:
+        os.link(tmp, path)
+        return sum(1 for _ in path.open())
+    except FileExistsError:
+        return None
+    finally:
+        tmp.unlink()
 
 
 def update_results_md(name: str, markdown: str) -> None:

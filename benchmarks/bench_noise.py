@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -58,35 +57,13 @@ def archive_path(args) -> Path:
 
 
 def seed_from_archive(args) -> None:
-    import gzip
-
-    path, archive = rows_path(args), archive_path(args)
-    if path.exists() or not archive.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with gzip.open(archive, "rt") as src:
-        tmp.write_text(src.read())
-    try:
-        os.link(tmp, path)  # create-if-absent: another shard that seeded first (and may be appending) is kept
-        print(f"continuing from {archive.name} ({sum(1 for _ in path.open())} rows)", file=sys.stderr)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
+    seeded = _common.seed_rows(rows_path(args), archive_path(args))
+    if seeded is not None:
+        print(f"continuing from {archive_path(args).name} ({seeded} rows)", file=sys.stderr)
 
 
 def write_archive(args) -> None:
-    import gzip
-
-    archive = archive_path(args)
-    data = rows_path(args).read_bytes()
-    data = data[:data.rfind(b"\n") + 1]  # whole rows only: another shard may be writing one
-    tmp = archive.with_suffix(f".{os.getpid()}.tmp")  # each shard its own, so two never mix their bytes
-    # mtime=0: the same rows give the same bytes, so an unchanged archive shows no diff
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-        gz.write(data)
-    tmp.replace(archive)
+    _common.archive_rows([rows_path(args)], archive_path(args))
 
 
 def qualifying(engine, scan: int, ratios: bool) -> list:

@@ -20,7 +20,9 @@ per group and passage).
 
 Questions are sharded over --workers processes (one torch thread, one core each), each appending its rows to a
 file in benchmarks/data (--resume continues a run, --report-only summarises it); the critic's figures are then
-computed in one process, alone.
+computed in one process, alone. The rows and the chosen deltas are also kept in benchmarks/results
+(<run>.rows.jsonl.gz, refreshed every 10 minutes while the workers run, and <run>-deltas.json), so --resume or
+--report-only on a fresh clone continues from them.
 
     python benchmarks/bench_selfrag.py --questions 100
 
@@ -48,7 +50,8 @@ RATES = (0.75, 0.5, 0.25)  # the train retrieval rates the deltas are chosen for
 DEPTH, SEGMENT_TOKENS = 2, 32  # the default beam; the paper's short-form runs are depth 1, 100 tokens
 
 
-ALWAYS = "self_rag top-5 always"  # the condition that retrieves for every question (the beam alone)
+ALWAYS = "self_rag top-5 always"
+ARCHIVE_EVERY_S = 600  # a running worker refreshes the committed archive this often  # the condition that retrieves for every question (the beam alone)
 
 
 def conditions(deltas, always: bool = False) -> tuple[str, ...]:
@@ -106,6 +109,34 @@ def _deltas_path(args) -> Path:
     return _common.DATA_DIR / f"{_stem(args)}-deltas.json"
 
 
+def _archive_paths(args) -> tuple[Path, Path]:
+    """The committed copies of a run's rows and deltas (benchmarks/data is scratch)."""
+    return (_common.RESULTS_DIR / f"{_stem(args)}.rows.jsonl.gz",
+            _common.RESULTS_DIR / f"{_stem(args)}-deltas.json")
+
+
+def write_archive(args) -> None:
+    from certrag.atomic import write_file_atomic
+
+    rows, deltas = _archive_paths(args)
+    _common.archive_rows(_common.shard_paths(_stem(args), args.workers), rows)
+    if _deltas_path(args).exists():
+        write_file_atomic(deltas, _deltas_path(args).read_bytes())
+
+
+def seed_from_archive(args) -> None:
+    """A run with no rows here (a fresh clone or machine) starts from its committed archive."""
+    from certrag.atomic import write_file_atomic
+
+    rows, deltas = _archive_paths(args)
+    if not _deltas_path(args).exists() and deltas.exists():
+        write_file_atomic(_deltas_path(args), deltas.read_bytes())
+    if not any(p.exists() for p in _common.shard_paths(_stem(args), args.workers)):
+        seeded = _common.seed_rows(_shard_path(args, 0), rows)
+        if seeded is not None:
+            print(f"continuing from {rows.name} ({seeded} rows)", file=sys.stderr)
+
+
 def choose_deltas(llm, n: int, rates=RATES) -> dict:
     """Deltas at which the given rates of the first n NQ-open train questions would retrieve (quantiles of
     p_retrieve)."""
@@ -154,6 +185,7 @@ def worker(args) -> None:
     runs.update({name: (top5, SelfRag(delta=d, **beam)) for name, d in zip(conditions(deltas)[2:], deltas)})
     if args.always_retrieve:  # p_retrieve is a probability, so it always exceeds -inf
         runs[ALWAYS] = (top5, SelfRag(delta=float("-inf"), **beam))
+    archived = time.monotonic()
     with path.open("a") as out:
         for qi, it in items:
             if args.reverse:  # stop where the shard's own worker has got to
@@ -176,7 +208,15 @@ def worker(args) -> None:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
             print(f"shard {args.shard}: question {qi} done", file=sys.stderr, flush=True)
+            if not args.no_write and time.monotonic() - archived > ARCHIVE_EVERY_S:
+                write_archive(args)  # a run cut short keeps what it made, on any clone
+                archived = time.monotonic()
     engine.close()
+
+
+def _fixed(value, digits: int = 3) -> str:
+    """A rate for the tables: fixed decimals (so 0 reads 0.000), "n/a" where the condition has none."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def adaptive_split(out: dict[str, list[dict]]) -> list[dict]:
@@ -260,6 +300,8 @@ def main() -> None:
     from certrag.llm import LocalLLM
 
     llm = LocalLLM(args.model)
+    if args.resume or args.report_only:
+        seed_from_archive(args)
     if not args.report_only:
         import subprocess
 
@@ -277,7 +319,8 @@ def main() -> None:
         forwarded = ["--questions", str(args.questions), "--model", args.model, "--workers", str(args.workers),
                      "--rates", format_rates(args.rates), "--depth", str(args.depth),
                      "--segment-tokens", str(args.segment_tokens),
-                     *(["--always-retrieve"] if args.always_retrieve else [])]
+                     *(["--always-retrieve"] if args.always_retrieve else []),
+                     *(["--no-write"] if args.no_write else [])]
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded,
                                    *(["--resume"] if args.resume else [])]) for i in range(args.workers)]
         for proc in procs:
@@ -412,17 +455,16 @@ def main() -> None:
         _common.markdown_table(["condition", "questions", "passages", "EM", "EM - plain top-5", "F1", "match",
                                 "input tokens", "output tokens", "p50 s", "retrieval rate (test)",
                                 "critic passes / q"],
-                               [[r["condition"], r["questions"], r["passages"], r["em"],
-                                 f"{r['em_minus_plain_top5']:+.3f}{ci(r)}", r["f1"],
-                                 "n/a" if r["match"] is None else r["match"], r["input_tokens"],
-                                 r["output_tokens"], r["p50_s"], r["retrieval_rate"], r["critic_passes"]]
+                               [[r["condition"], r["questions"], r["passages"], f"{r['em']:.3f}",
+                                 f"{r['em_minus_plain_top5']:+.3f}{ci(r)}", f"{r['f1']:.3f}", _fixed(r["match"]),
+                                 r["input_tokens"], r["output_tokens"], r["p50_s"], _fixed(r["retrieval_rate"], 2),
+                                 "n/a" if r["critic_passes"] is None else r["critic_passes"]]
                                 for r in rows]),
         "\nWhere adaptive retrieval acted (each self_rag condition against plain top-5 on the same questions, "
         "apart for the questions it retrieved for and those it answered from the reader alone):\n",
         _common.markdown_table(["condition", "retrieved", "questions", "EM self_rag", "EM plain top-5"],
                                [[r["condition"], "yes" if r["retrieved"] else "no", r["questions"],
-                                 "n/a" if r["em"] is None else r["em"],
-                                 "n/a" if r["em_plain_top5"] is None else r["em_plain_top5"]] for r in split]),
+                                 _fixed(r["em"]), _fixed(r["em_plain_top5"])] for r in split]),
         *critic_parts,
         _common.footer(meta)])
     print(text)
@@ -430,6 +472,7 @@ def main() -> None:
     section = _section(args)
     if not args.no_write:
         _common.write_rows(section, measured, meta)
+        write_archive(args)
         _common.update_results_md(section, text)
 
 

@@ -87,3 +87,55 @@ def test_adaptive_split_compares_self_rag_and_plain_on_the_questions_each_way_wa
     always = {"plain top-5": rows([1, 0], [None] * 2), "self_rag top-5 delta=0": rows([1, 1], [True, True])}
     assert bench.adaptive_split(always)[1] == {"condition": "self_rag top-5 delta=0", "retrieved": False,
                                               "questions": 0, "em": None, "em_plain_top5": None}
+
+
+@pytest.fixture()
+def scratch(bench, tmp_path, monkeypatch):
+    import _common
+
+    monkeypatch.setattr(_common, "DATA_DIR", tmp_path / "data")
+    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path / "results")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "results").mkdir()
+    return tmp_path
+
+
+def _shard_rows(bench, args, shard, qs):
+    import json
+
+    rows = [{"q": q, "condition": c, "em": float(q % 2)} for q in qs for c in ("plain", "plain top-5")]
+    bench._shard_path(args, shard).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_a_run_on_a_fresh_clone_continues_from_the_committed_archive(bench, scratch):
+    """The rows of every shard and the deltas chosen on train survive benchmarks/data being wiped; a worker's
+    half-written row is not archived (it would break every later read)."""
+    import json
+
+    args = _args(bench, workers=2, model="m", questions=8)
+    rows = _shard_rows(bench, args, 0, (0, 2)) + _shard_rows(bench, args, 1, (1, 3))
+    with bench._shard_path(args, 1).open("a") as out:
+        out.write('{"q": 5, "condit')  # shard 1 mid-write
+    deltas = {"deltas": [0.8], "train_rates": [0.75], "train_questions": 200, "p_retrieve_quantiles": {}}
+    bench._deltas_path(args).write_text(json.dumps(deltas))
+    bench.write_archive(args)
+
+    for path in (scratch / "data").iterdir():  # a fresh machine
+        path.unlink()
+    bench.seed_from_archive(args)
+    key = lambda r: (r["q"], r["condition"])  # noqa: E731
+    assert sorted(bench._rows(args), key=key) == sorted(rows, key=key)
+    assert json.loads(bench._deltas_path(args).read_text()) == deltas
+
+    _shard_rows(bench, args, 1, (7,))  # a row made since on this machine: seeding again must not add the archive's
+    before = bench._rows(args)
+    bench.seed_from_archive(args)
+    assert bench._rows(args) == before and {r["q"] for r in before} == {0, 1, 2, 3, 7}
+
+
+def test_the_report_prints_rates_with_fixed_decimals_and_says_when_there_is_none(bench):
+    assert bench._fixed(0.0) == "0.000"
+    assert bench._fixed(0.5) == "0.500"
+    assert bench._fixed(0.714, 2) == "0.71"
+    assert bench._fixed(None) == "n/a"
