@@ -129,6 +129,25 @@ def shard_paths(stem: str, workers: int) -> list[Path]:
     return [shard_path(stem, i, workers, rev) for i in range(workers) for rev in (False, True)]
 
 
+def shards_archive(stem: str) -> Path:
+    """The committed copy of a sharded run's rows (benchmarks/data is scratch)."""
+    return RESULTS_DIR / f"{stem}.rows.jsonl.gz"
+
+
+def archive_shards(stem: str, workers: int) -> None:
+    archive_rows(shard_paths(stem, workers), shards_archive(stem))
+
+
+def seed_shards(stem: str, workers: int) -> None:
+    """A sharded run with no rows here (a fresh clone or machine) starts from its committed archive: the archived
+    rows become the first worker's file (a resumed run skips every row in any of its files)."""
+    if any(p.exists() for p in shard_paths(stem, workers)):
+        return
+    seeded = seed_rows(shard_path(stem, 0, workers), shards_archive(stem))
+    if seeded is not None:
+        print(f"continuing from {shards_archive(stem).name} ({seeded} rows)", file=sys.stderr)
+
+
 def archive_rows(sources: list[Path], archive: Path) -> None:
     """Keeps the rows of a long run's files (benchmarks/data is scratch) in a committed, gzipped copy: whole rows only
     (a worker may be writing one), written atomically; mtime 0, so the same rows give the same bytes and an unchanged

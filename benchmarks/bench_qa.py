@@ -18,7 +18,8 @@ Within a ratio plain and chain_of_note see the same questions and the same passa
 Generation is slow on 2 cores (about 6 tokens/s per core), so questions are sharded over --workers processes of one
 torch thread each, each pinned to its own core; each worker answers every condition of a question before the next
 and appends each row to its shard file in benchmarks/data/ (--resume continues a run, --report-only summarises the
-rows so far).
+rows so far). The rows are also kept in benchmarks/results/<run>.rows.jsonl.gz (refreshed every 10 minutes while the
+workers run), so --resume or --report-only on a fresh clone continues from them.
 
     python benchmarks/bench_qa.py --questions 200 --noise-questions 100 --scan 700 --workers 2
 """
@@ -30,6 +31,7 @@ import collections
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,6 +43,7 @@ CONDITIONS = [("plain", "plain", None), ("chain_of_note", "chain_of_note", None)
               ("plain", "plain", 1.0), ("chain_of_note", "chain_of_note", 1.0),
               ("plain", "plain", 0.5), ("chain_of_note", "chain_of_note", 0.5)]
 K = 5
+ARCHIVE_EVERY_S = 600  # a running worker refreshes the committed archive this often
 DEFAULT_READER = "qwen2.5-coder-0.5b-instruct"
 
 
@@ -106,6 +109,7 @@ def worker(args) -> None:
         indexed = indexed[::-1]
     path = _shard_path(args, args.shard, args.reverse)
     done = {(r["q"], r["condition"]) for r in _records(args)} if args.resume or args.reverse else set()
+    archived = time.monotonic()
     with path.open("a") as out:
         for qi, item in indexed:
             if args.reverse:  # stop where the shard's own worker has got to
@@ -120,6 +124,9 @@ def worker(args) -> None:
                 out.write(json.dumps({"q": qi, "condition": c, "row": row, "kernels": env}) + "\n")
                 out.flush()
             print(f"shard {args.shard}: question {qi} done", file=sys.stderr, flush=True)
+            if not args.no_write and time.monotonic() - archived > ARCHIVE_EVERY_S:
+                _common.archive_shards(_stem(args), args.workers)  # a run cut short keeps what it made
+                archived = time.monotonic()
 
 
 def feedback_distribution(rows: list[dict]) -> dict:
@@ -172,6 +179,8 @@ def main() -> None:
     from certrag.eval.qa import QARow, markdown, summarise
     from certrag.rerank import CrossEncoderReranker
 
+    if args.resume or args.report_only:
+        _common.seed_shards(_stem(args), args.workers)
     if not args.report_only:
         if not args.resume:
             for i in range(args.workers):
@@ -179,7 +188,8 @@ def main() -> None:
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # build it once, before the workers
         forwarded = ["--workers", str(args.workers), "--questions", str(args.questions), "--noise-questions",
                      str(args.noise_questions), "--scan", str(args.scan), "--conditions", args.conditions,
-                     "--model", args.model, "--weights", args.weights] + (["--resume"] if args.resume else [])
+                     "--model", args.model, "--weights", args.weights] + (["--resume"] if args.resume else []) \
+            + (["--no-write"] if args.no_write else [])
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded])
                  for i in range(args.workers)]
         for proc in procs:
@@ -296,6 +306,7 @@ def main() -> None:
         # The default reader's run is bench_qa; another reader's (the deciding conditions) gets its own section.
         name = "bench_qa" if args.model == DEFAULT_READER else f"bench_qa-{args.model}"
         _common.write_rows(name, all_rows, meta)
+        _common.archive_shards(_stem(args), args.workers)
         _common.update_results_md(name, text)
 
 

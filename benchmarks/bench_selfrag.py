@@ -109,32 +109,26 @@ def _deltas_path(args) -> Path:
     return _common.DATA_DIR / f"{_stem(args)}-deltas.json"
 
 
-def _archive_paths(args) -> tuple[Path, Path]:
-    """The committed copies of a run's rows and deltas (benchmarks/data is scratch)."""
-    return (_common.RESULTS_DIR / f"{_stem(args)}.rows.jsonl.gz",
-            _common.RESULTS_DIR / f"{_stem(args)}-deltas.json")
+def _deltas_archive(args) -> Path:
+    """The committed copy of the deltas a run chose on train (its rows': _common.shards_archive)."""
+    return _common.RESULTS_DIR / f"{_stem(args)}-deltas.json"
 
 
 def write_archive(args) -> None:
     from certrag.atomic import write_file_atomic
 
-    rows, deltas = _archive_paths(args)
-    _common.archive_rows(_common.shard_paths(_stem(args), args.workers), rows)
+    _common.archive_shards(_stem(args), args.workers)
     if _deltas_path(args).exists():
-        write_file_atomic(deltas, _deltas_path(args).read_bytes())
+        write_file_atomic(_deltas_archive(args), _deltas_path(args).read_bytes())
 
 
 def seed_from_archive(args) -> None:
     """A run with no rows here (a fresh clone or machine) starts from its committed archive."""
     from certrag.atomic import write_file_atomic
 
-    rows, deltas = _archive_paths(args)
-    if not _deltas_path(args).exists() and deltas.exists():
-        write_file_atomic(_deltas_path(args), deltas.read_bytes())
-    if not any(p.exists() for p in _common.shard_paths(_stem(args), args.workers)):
-        seeded = _common.seed_rows(_shard_path(args, 0), rows)
-        if seeded is not None:
-            print(f"continuing from {rows.name} ({seeded} rows)", file=sys.stderr)
+    if not _deltas_path(args).exists() and _deltas_archive(args).exists():
+        write_file_atomic(_deltas_path(args), _deltas_archive(args).read_bytes())
+    _common.seed_shards(_stem(args), args.workers)
 
 
 def choose_deltas(llm, n: int, rates=RATES) -> dict:
