@@ -188,8 +188,8 @@ def main() -> None:
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # build it once, before the workers
         forwarded = ["--workers", str(args.workers), "--questions", str(args.questions), "--noise-questions",
                      str(args.noise_questions), "--scan", str(args.scan), "--conditions", args.conditions,
-                     "--model", args.model, "--weights", args.weights] + (["--resume"] if args.resume else []) \
-            + (["--no-write"] if args.no_write else [])
+                     "--model", args.model, "--weights", args.weights,
+                     *(["--resume"] if args.resume else []), *(["--no-write"] if args.no_write else [])]
         procs = [subprocess.Popen([sys.executable, __file__, "--shard", str(i), *forwarded])
                  for i in range(args.workers)]
         for proc in procs:

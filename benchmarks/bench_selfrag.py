@@ -50,8 +50,8 @@ RATES = (0.75, 0.5, 0.25)  # the train retrieval rates the deltas are chosen for
 DEPTH, SEGMENT_TOKENS = 2, 32  # the default beam; the paper's short-form runs are depth 1, 100 tokens
 
 
-ALWAYS = "self_rag top-5 always"
-ARCHIVE_EVERY_S = 600  # a running worker refreshes the committed archive this often  # the condition that retrieves for every question (the beam alone)
+ALWAYS = "self_rag top-5 always"  # the condition that retrieves for every question (the beam alone)
+ARCHIVE_EVERY_S = 600  # a running worker refreshes the committed archive this often
 
 
 def conditions(deltas, always: bool = False) -> tuple[str, ...]:
