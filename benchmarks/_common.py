@@ -141,11 +141,8 @@ def archive_shards(stem: str, workers: int) -> None:
 def seed_shards(stem: str, workers: int) -> None:
     """A sharded run with no rows here (a fresh clone or machine) starts from its committed archive: the archived
     rows become the first worker's file (a resumed run skips every row in any of its files)."""
-    if any(p.exists() for p in shard_paths(stem, workers)):
-        return
-    seeded = seed_rows(shard_path(stem, 0, workers), shards_archive(stem))
-    if seeded is not None:
-        print(f"continuing from {shards_archive(stem).name} ({seeded} rows)", file=sys.stderr)
+    if not any(p.exists() for p in shard_paths(stem, workers)):
+        seed_rows(shard_path(stem, 0, workers), shards_archive(stem))
 
 
 def archive_rows(sources: list[Path], archive: Path) -> None:
@@ -179,7 +176,9 @@ def seed_rows(path: Path, archive: Path) -> int | None:
         tmp.write_text(src.read())
     try:
         os.link(tmp, path)
-        return sum(1 for _ in path.open())
+        seeded = sum(1 for _ in path.open())
+        print(f"continuing from {archive.name} ({seeded} rows)", file=sys.stderr)
+        return seeded
     except FileExistsError:
         return None
     finally:

@@ -57,9 +57,7 @@ def archive_path(args) -> Path:
 
 
 def seed_from_archive(args) -> None:
-    seeded = _common.seed_rows(rows_path(args), archive_path(args))
-    if seeded is not None:
-        print(f"continuing from {archive_path(args).name} ({seeded} rows)", file=sys.stderr)
+    _common.seed_rows(rows_path(args), archive_path(args))
 
 
 def write_archive(args) -> None:

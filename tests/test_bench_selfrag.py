@@ -139,3 +139,13 @@ def test_the_report_prints_rates_with_fixed_decimals_and_says_when_there_is_none
     assert bench._fixed(0.5) == "0.500"
     assert bench._fixed(0.714, 2) == "0.71"
     assert bench._fixed(None) == "n/a"
+
+
+def test_reading_a_run_mid_write_skips_the_half_written_row(bench, scratch):
+    """A report or a --reverse helper reads the shard files while the workers append: a row cut mid-write must be
+    left for later, not crash the read."""
+    args = _args(bench, workers=2, model="m", questions=8)
+    rows = _shard_rows(bench, args, 0, (0,))
+    with bench._shard_path(args, 0).open("a") as out:
+        out.write('{"q": 2, "condit')
+    assert bench._rows(args) == rows
