@@ -129,6 +129,17 @@ def worker(args) -> None:
                 archived = time.monotonic()
 
 
+def start_shards(args) -> None:
+    """Before the workers start: a resumed or report-only run continues from the committed archive where this
+    machine's shard files are missing (a fresh clone); a new run starts with no shard files, its workers' or their
+    helpers'."""
+    if args.resume or args.report_only:
+        _common.seed_shards(_stem(args), args.workers)
+    else:  # helpers' files too: a stale one would join the new run's rows
+        for path in _common.shard_paths(_stem(args), args.workers):
+            path.unlink(missing_ok=True)
+
+
 def feedback_distribution(rows: list[dict]) -> dict:
     """The judge's verdicts over the feedback rows: rounds, scores, flags (and how many were defaulted)."""
     rounds = collections.Counter(r["rounds"] for r in rows)
@@ -179,12 +190,8 @@ def main() -> None:
     from certrag.eval.qa import QARow, markdown, summarise
     from certrag.rerank import CrossEncoderReranker
 
-    if args.resume or args.report_only:
-        _common.seed_shards(_stem(args), args.workers)
+    start_shards(args)
     if not args.report_only:
-        if not args.resume:
-            for i in range(args.workers):
-                _shard_path(args, i).unlink(missing_ok=True)
         nq_store(cached_embedder(), CrossEncoderReranker.default())[0].close()  # build it once, before the workers
         forwarded = ["--workers", str(args.workers), "--questions", str(args.questions), "--noise-questions",
                      str(args.noise_questions), "--scan", str(args.scan), "--conditions", args.conditions,
