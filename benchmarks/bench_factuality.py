@@ -9,14 +9,16 @@ answer is contained in the normalised answer:
 Train: both kinds on the first --train-questions of the NQ-open train split; held out: both kinds on the first
 --test-questions of the test split, reported separately.
 
-Scores compared (Lookback Lens, Chuang et al. 2024, Table 1; the certification paper's chunk-wise variant):
-logistic regression on chunk-wise features, on full-context features (one ratio per layer and head each), on
-chunk-wise features plus the mean log-probability (combined: one feature among hundreds, shrunk with them), the
-stacked form of the same (each block model's out-of-fold score and the mean log-probability joined by a second,
-two-feature regression: certrag.train.factuality.fit_stacked), and two baselines without training: the answer's mean
-token log-probability and the best *fused* reranker score of its passages (cross-encoder + dense term: the score
-the engine ranks by). AUROC cross-validated on train (5 folds, C chosen on the same folds: slightly optimistic) and on
-the held-out test questions (fit on all of train).
+Scores compared (Lookback Lens, Chuang et al. 2024, Table 1; the certification paper's chunk-wise variant): logistic
+regression on chunk-wise features, on full-context features (one ratio per layer and head each), on chunk-wise
+features plus the mean log-probability (combined: one feature among hundreds, shrunk with them), the stacked form of
+the same (each block model's out-of-fold score and the mean log-probability joined by a second, two-feature
+regression: certrag.train.factuality.fit_stacked), each block stacked with all the free signals (the answer's mean,
+minimum and first token log-probability and its passages' best fused reranker score:
+certrag.certify.factuality.answer_signals), a logistic regression on the free signals alone, and baselines without
+training: the answer's mean, minimum and first token log-probability and the best *fused* reranker score of its
+passages (cross-encoder + dense term: the score the engine ranks by). AUROC cross-validated on train (5 folds, C
+chosen on the same folds: slightly optimistic) and on the held-out test questions (fit on all of train).
 
 The four sets of answers (train / test x protocol / engine) are collected by --workers processes, one core each,
 and cached (train sets under CERTRAG_HOME, test sets in benchmarks/data), so a rerun only refits and reports.
@@ -104,10 +106,12 @@ def main() -> None:
 
     import numpy as np
 
+    from certrag.certify.factuality import SIGNALS, describe_signals
     from certrag.data.nq import load_nq_open
     from certrag.home import certrag_home
     from certrag.train.factuality import (LABEL_RULE, auroc, choose, collect, collect_engine, combined_features,
-                                          fit, fit_stacked, load_examples, protocol_top_scores, save_examples)
+                                          fit, fit_signals, fit_stacked, load_examples,
+                                          protocol_top_scores, save_examples, signal_matrix)
 
     state = {}
 
@@ -126,7 +130,8 @@ def main() -> None:
         asked = hashlib.sha256("\n".join(it.question for it in items).encode()).hexdigest()[:16]
         meta = {"model": args.model, "weights": args.weights, "split": split, "questions": len(items), "k": 3,
                 "top_rerank": "fused", "kind": kind, "question_hash": asked, "arithmetic": ARITHMETIC[args.weights],
-                "reranker": DEFAULT_RERANKER}  # it ranks the protocol's distractors and the engine's passages
+                "reranker": DEFAULT_RERANKER,  # it ranks the protocol's distractors and the engine's passages
+                "signals": list(SIGNALS)}  # sets made before a signal was recorded are made again
         if kind != "protocol":  # the engine's answers depend on its selection: a changed default remakes them
             from certrag.config import EngineConfig
 
@@ -215,18 +220,33 @@ def main() -> None:
         rows.append(held_out({"what": "factuality_auroc", "score": names[kind], "features": x.shape[1],
                               "cv_auroc": clf.card["cv_auroc"], "C": clf.card["C"], "train_n": int(keep.sum())},
                              predict))
-    for kind in ("chunks", "full"):  # the block's score and the log-probability joined by a second regression
-        x, lp = train[kind], train["mean_logprob"]
-        keep = finite(x, lp)
-        st = fit_stacked(x[keep], lp[keep], train["label"][keep], model=args.model, kind=kind, layers=0, heads=0,
-                         card={})
+    free = fit_signals(train, train["label"], model=args.model, card={})
 
-        def predict(d, kind=kind, st=st):
-            kt = finite(d[kind], d["mean_logprob"])
-            return d["label"][kt], st.predict_vectors(d[kind][kt], d["mean_logprob"][kt])
+    def predict_free(d):
+        s = signal_matrix(d, SIGNALS)
+        kt = finite(s)
+        return d["label"][kt], free.predict_vectors(s[kt])
 
+    rows.append(held_out({"what": "factuality_auroc", "score": f"logistic regression, free signals ("
+                          f"{describe_signals(SIGNALS)})", "features": len(SIGNALS),
+                          "cv_auroc": free.card["cv_auroc"], "C": free.card["C"],
+                          "train_n": int(finite(signal_matrix(train, SIGNALS)).sum())}, predict_free))
+    # the block's score and the free signals joined by a second regression: the mean log-probability, or all
+    for kind, inputs in (("chunks", ("mean_logprob",)), ("full", ("mean_logprob",)), ("chunks", SIGNALS),
+                         ("full", SIGNALS)):
+        x, extra = train[kind], signal_matrix(train, inputs)
+        keep = finite(x, extra)
+        st = fit_stacked(x[keep], extra[keep], train["label"][keep], model=args.model, kind=kind, layers=0,
+                         heads=0, inputs=inputs, card={})
+
+        def predict(d, kind=kind, st=st, inputs=inputs):
+            e = signal_matrix(d, inputs)
+            kt = finite(d[kind], e)
+            return d["label"][kt], st.predict_vectors(d[kind][kt], e[kt])
+
+        joined_with = "mean log-probability" if len(inputs) == 1 else "the free signals"
         rows.append(held_out({"what": "factuality_auroc", "score": f"stacked: {names[kind].split(', ')[1]} model, "
-                              "then its score + mean log-probability", "features": x.shape[1] + 1,
+                              f"then its score + {joined_with}", "features": x.shape[1] + len(inputs),
                               "cv_auroc": st.card["cv_auroc"], "C": st.card["C"], "train_n": int(keep.sum())},
                              predict))
     layers, heads = llm().config.layers, llm().config.heads
@@ -242,19 +262,22 @@ def main() -> None:
     shipped, _ = choose(train, model=args.model, layers=layers, heads=heads, card=card)
 
     def predict_shipped(d):
-        if shipped.kind == "logprob":
-            kt = finite(d["mean_logprob"])
-            return d["label"][kt], shipped.predict_vectors(d["mean_logprob"][kt][:, None])
-        kt = finite(d[shipped.kind], d["mean_logprob"])
-        return d["label"][kt], shipped.predict_vectors(d[shipped.kind][kt], d["mean_logprob"][kt])
+        s = signal_matrix(d, shipped.signals)
+        if not shipped.needs_lookback:
+            kt = finite(s)
+            return d["label"][kt], shipped.predict_vectors(s[kt])
+        kt = finite(d[shipped.kind], s)
+        return d["label"][kt], shipped.predict_vectors(d[shipped.kind][kt], s[kt] if shipped.stack else None)
 
     shipped_row = held_out({"what": "factuality_auroc",
                             "score": f"**shipped** (chosen on train): {shipped.card['chosen']}",
-                            "features": shipped.mean.size + (1 if shipped.stack is not None else 0),
+                            "features": shipped.mean.size + (len(shipped.stack.inputs) if shipped.stack else 0),
                             "cv_auroc": shipped.card["cv_auroc"], "C": shipped.card.get("C"),
                             "train_n": int(len(train["label"]))}, predict_shipped)
     rows.append(shipped_row)
     for key, name in (("mean_logprob", "mean token log-probability (baseline)"),
+                      ("min_logprob", "minimum token log-probability (no training)"),
+                      ("first_logprob", "first token's log-probability (no training)"),
                       ("top_rerank", "best fused reranker score of the passages (baseline)")):
         rows.append(held_out({"what": "factuality_auroc", "score": name, "features": 1,
                               "cv_auroc": auroc(train["label"], train[key]), "C": None,
@@ -267,9 +290,7 @@ def main() -> None:
         from certrag.certify.factuality import PACKAGE_DIR
 
         gains = {k: shipped_row[f"heldout_{k}"] - logprob[f"heldout_{k}"] for k in tests}
-        made_of = ("stacked lookback ratios + mean log-probability" if shipped.stack is not None
-                   else "calibrated mean log-probability")
-        about = (f"{made_of}; "
+        about = (f"{shipped.describe()}; "
                  f"held-out AUROC {shipped_row['heldout_engine']:.3f} against the log-probability's "
                  f"{logprob['heldout_engine']:.3f} on the engine's NQ-open test answers")
         shipped = dataclasses.replace(shipped, card={

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from certrag.certify.factuality import answer_signals
 from certrag.config import SelectionConfig
 from certrag.cost import PriceTable
 from certrag.grounding import grounded_run
@@ -138,13 +139,24 @@ def passages_of(r: Retrieval, n: int) -> list[Passage]:
     return [Passage(text=r.texts[i], chunk_id=int(r.chunk_ids[i])) for i in range(n)]
 
 
+def _signals(call, question: str, r: Retrieval, classifier, reranker) -> dict:
+    """The answer's free signals (certrag.certify.factuality.answer_signals) over the passages it read; a retrieval
+    the reranker skipped (rerank=False, the adaptive rule) has its read passages scored now when the classifier
+    reads their best score, so the confidence exists and means what it was trained on."""
+    scores = r.rerank_scores[: r.selected]
+    if "top_rerank" in classifier.signals and reranker is not None and r.selected and np.isnan(scores).all():
+        scores = reranker.score(question, list(r.texts[: r.selected]), r.dense_scores[: r.selected])
+    return answer_signals(getattr(call, "token_logprobs", ()), scores)
+
+
 def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: AnswerOptions, *,
            selection: SelectionConfig, certification=None, classifier=None, relevance=None,
-           retrieve_ms: float = 0.0) -> Answer:
+           retrieve_ms: float = 0.0, reranker=None) -> Answer:
     """Answers from a retrieval: the selector's cut (or, when certification applies, the trusted candidates, at
     most selection.max_k; none trusted -> "unknown" without an LLM call), the strategy, the answer's lookback
-    P(correct) (classifier given), the grounding check (relevance given: certrag.grounding.grounded_run),
-    citations, cost and trace."""
+    P(correct) (classifier given; reranker scores the passages read when the classifier needs their best reranker
+    score and r carries none), the grounding check (relevance given: certrag.grounding.grounded_run), citations,
+    cost and trace."""
     limit = len(r.chunk_ids)
     if certification is not None and certification.applied:
         limit = min(certification.trusted_count, selection.max_k)
@@ -168,7 +180,8 @@ def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: Answer
         call = result.calls[result.answer_call]
         features = call.lookback
         if features is not None or not classifier.needs_lookback:
-            conf = classifier.predict(features, getattr(call, "mean_logprob", float("nan")))
+            conf = classifier.predict(features, getattr(call, "mean_logprob", float("nan")),
+                                      signals=_signals(call, question, r, classifier, reranker))
     used = result.passages_used
     cited = tuple(int(r.chunk_ids[i]) for i in range(used))
     if result.cited is not None:

@@ -662,7 +662,7 @@ class Engine:
             relevance = default_relevance()
         a = answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
                         certification=certification, classifier=classifier, relevance=relevance,
-                        retrieve_ms=retrieve_ms)
+                        retrieve_ms=retrieve_ms, reranker=self.reranker)
         return dataclasses.replace(a, support=self.support(r))
 
     def _scored_for_calibration(self, question: str, r: Retrieval) -> Retrieval:

@@ -61,10 +61,8 @@ def _p_correct_about(llm) -> dict | None:
 
     clf = FactualityClassifier.for_model(llm.name)
     card = clf.card
-    about = card.get("summary") or ("stacked lookback ratios + mean log-probability" if clf.stack is not None else
-                                    "calibrated mean log-probability" if clf.kind == "logprob" else
-                                    f"{clf.kind} lookback ratios")
-    return {"means": LABEL, "score": clf.kind if clf.stack is None else f"{clf.kind}+logprob", "about": about,
+    about = card.get("summary") or clf.describe()
+    return {"means": LABEL, "score": clf.score_name, "about": about,
             "heldout_auroc": card.get("heldout_auroc"), "logprob_heldout_auroc": card.get("logprob_heldout_auroc")}
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from certrag.certify.factuality import LABEL, FactualityClassifier, Stack
+from certrag.certify.factuality import (LABEL, SIGNALS, FactualityClassifier, Stack, answer_signals,
+                                       describe_signals)
 from certrag.data.splits import stable_fraction
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,10 @@ LABEL_RULE = "gold answer contained in the normalised prediction (DPR normalisat
 
 
 def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, heads: int, card: dict,
-        cs=(0.001, 0.01, 0.1, 1.0), folds: int = 5, seed: int = 0) -> tuple[FactualityClassifier, dict]:
-    """Standardise, choose C by stratified cross-validated AUROC on (x, y), refit on all. Returns the classifier and
-    the cross-validation report."""
+        cs=(0.001, 0.01, 0.1, 1.0), folds: int = 5, seed: int = 0,
+        inputs: tuple[str, ...] = ()) -> tuple[FactualityClassifier, dict]:
+    """Standardise, choose C by stratified cross-validated AUROC on (x, y), refit on all (inputs: a "signals"
+    classifier's signal names, x's columns). Returns the classifier and the cross-validation report."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import roc_auc_score
     from sklearn.model_selection import StratifiedKFold
@@ -55,7 +57,7 @@ def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, hea
     lr = LogisticRegression(C=best, max_iter=2000).fit(z, y)
     clf = FactualityClassifier(model=model, kind=kind, layers=layers, heads=heads, mean=mean, scale=scale,
                                coef=lr.coef_[0].astype(np.float64), intercept=float(lr.intercept_[0]),
-                               card={**card, "C": best, "cv_auroc": report[best], "cv_folds": folds,
+                               inputs=tuple(inputs), card={**card, "C": best, "cv_auroc": report[best], "cv_folds": folds,
                                      "cv_by_C": {str(k): v for k, v in report.items()}})
     return clf, report
 
@@ -86,9 +88,9 @@ def nq_passage_sets(items, k: int = 3, seed: int = 0) -> list[tuple[list[str], b
 
 
 def collect(llm, items, *, k: int = 3, max_new_tokens: int = 24, reranker=None, progress: bool = True) -> dict:
-    """Generates an answer per item with lookback recording; returns arrays: chunks, full (n, layers*heads),
-    mean_logprob, top_rerank (n,: the best *fused* reranker score of the passages, the score the engine ranks by),
-    label, with_gold (n,), and the predictions."""
+    """Generates an answer per item with lookback recording; returns arrays: chunks, full (n, layers*heads), the
+    answer's free signals (n, each: certrag.certify.factuality.SIGNALS; top_rerank is the best *fused* reranker
+    score of the passages, the score the engine ranks by), label, with_gold (n,), and the predictions."""
     sets = nq_passage_sets(items, k=k)
     tops = protocol_top_scores(items, reranker, k=k, sets=sets)
     return _answer_all(llm, [(it, passages, int(with_gold), top)
@@ -132,7 +134,7 @@ def _answer_all(llm, rows, max_new_tokens: int, progress: bool) -> dict:
     from certrag.eval.metrics import answer_in_text
     from certrag.llm.prompts import Passage, plain_messages
 
-    out = {"chunks": [], "full": [], "mean_logprob": [], "top_rerank": [], "label": [], "with_gold": [], "steps": []}
+    out = {"chunks": [], "full": [], **{name: [] for name in SIGNALS}, "label": [], "with_gold": [], "steps": []}
     predictions = []
     started = time.perf_counter()
     for it, passages, with_gold, top in tqdm(rows, desc="answering", disable=not progress):
@@ -141,14 +143,15 @@ def _answer_all(llm, rows, max_new_tokens: int, progress: bool) -> dict:
         f = g.lookback
         out["chunks"].append(f.vector("chunks"))
         out["full"].append(f.vector("full"))
-        out["mean_logprob"].append(g.mean_logprob)
+        signals = {**answer_signals(g.token_logprobs, [top]), "mean_logprob": g.mean_logprob}  # as answering's
+        for name in SIGNALS:
+            out[name].append(signals[name])
         out["steps"].append(f.steps)
         out["label"].append(int(answer_in_text(g.text, it.answers)))
         out["with_gold"].append(with_gold)
-        out["top_rerank"].append(top)
         predictions.append(g.text)
-    data = {key: np.asarray(v, dtype=np.float32 if key in ("chunks", "full", "mean_logprob", "top_rerank")
-                            else np.int64) for key, v in out.items()}
+    data = {key: np.asarray(v, dtype=np.float32 if key in ("chunks", "full", *SIGNALS) else np.int64)
+            for key, v in out.items()}
     data["seconds"] = time.perf_counter() - started
     data["predictions"] = predictions
     return data
@@ -160,12 +163,13 @@ def combined_features(data: dict, kind: str = "chunks") -> np.ndarray:
 
 
 def fit_stacked(x: np.ndarray, extra: np.ndarray, y: np.ndarray, *, folds: int = 5, seed: int = 0,
-                **block_args) -> FactualityClassifier:
+                inputs: tuple[str, ...] = ("mean_logprob",), **block_args) -> FactualityClassifier:
     """Stacking: the block model (fit, C by cross-validation) is refitted per fold to give every training example
-    an out-of-fold decision value; a logistic regression on [that value, extra] (extra: the answer's mean
-    log-probability) is the second level, kept at its own weight where appending it as one feature among hundreds
-    lets the block's penalty shrink it with the rest. Out-of-fold values keep the second level from trusting a block
-    score that has seen its own labels. card["cv_auroc"] is the second level's, on the out-of-fold values."""
+    an out-of-fold decision value; a logistic regression on [that value, extra] (extra: the answer's free signals
+    named by inputs, (n,) for one, (n, len(inputs)) for several; by default the mean log-probability) is the second
+    level, kept at its own weight where appending them as features among hundreds lets the block's penalty shrink
+    them with the rest. Out-of-fold values keep the second level from trusting a block score that has seen its own
+    labels. card["cv_auroc"] is the second level's, on the out-of-fold values."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import roc_auc_score
     from sklearn.model_selection import StratifiedKFold
@@ -173,8 +177,11 @@ def fit_stacked(x: np.ndarray, extra: np.ndarray, y: np.ndarray, *, folds: int =
     x = np.asarray(x, dtype=np.float64)
     extra = np.asarray(extra, dtype=np.float64)
     y = np.asarray(y, dtype=np.int64)
-    if extra.shape != (len(x),):
-        raise ValueError(f"extra must have one value per example ({len(x)}); got shape {extra.shape}")
+    if extra.ndim == 1:
+        extra = extra[:, None]
+    if extra.shape != (len(x), len(inputs)):
+        raise ValueError(f"extra must have one value per example ({len(x)}) and input ({len(inputs)}: "
+                         f"{', '.join(inputs)}); got shape {extra.shape}")
     block, _ = fit(x, y, folds=folds, seed=seed, **block_args)
     oof = np.zeros(len(y))
     for tr, te in StratifiedKFold(folds, shuffle=True, random_state=seed + 1).split(x, y):
@@ -190,10 +197,11 @@ def fit_stacked(x: np.ndarray, extra: np.ndarray, y: np.ndarray, *, folds: int =
     for tr, te in StratifiedKFold(folds, shuffle=True, random_state=seed + 2).split(z, y):
         pred[te] = LogisticRegression(max_iter=2000).fit(z[tr], y[tr]).decision_function(z[te])
     lr = LogisticRegression(max_iter=2000).fit(z, y)
-    stack = Stack(mean=mean2, scale=scale2, coef=lr.coef_[0].astype(np.float64), intercept=float(lr.intercept_[0]))
+    stack = Stack(mean=mean2, scale=scale2, coef=lr.coef_[0].astype(np.float64), intercept=float(lr.intercept_[0]),
+                  inputs=tuple(inputs))
     card = {**block.card, "block_cv_auroc": block.card["cv_auroc"], "cv_auroc": float(roc_auc_score(y, pred)),
-            "features": f"{block.card.get('features', block.kind + ' lookback ratios')} -> stacked with the mean "
-                        "token log-probability"}
+            "features": f"{block.card.get('features', block.kind + ' lookback ratios')} -> stacked with "
+                        f"{describe_signals(inputs)}"}
     return dataclasses.replace(block, stack=stack, card=card)
 
 
@@ -207,32 +215,66 @@ def fit_logprob(mean_logprob: np.ndarray, y: np.ndarray, *, model: str, card: di
     return clf
 
 
+def signal_matrix(data: dict, inputs) -> np.ndarray:
+    """The (n, len(inputs)) free signals of collected answers (NaN columns for sets collected before a signal was
+    recorded)."""
+    n = len(data["label"])
+    return np.column_stack([np.asarray(data[name], dtype=np.float64) if name in data else np.full(n, np.nan)
+                            for name in inputs])
+
+
+def fit_signals(train: dict, y: np.ndarray, *, model: str, card: dict, inputs=SIGNALS, folds: int = 5,
+                seed: int = 0) -> FactualityClassifier:
+    """A free model: logistic regression on the answers' free signals (no lookback ratios), C by cross-validation;
+    answers missing a signal are left out of the fit."""
+    x = signal_matrix(train, inputs)
+    keep = np.isfinite(x).all(1)
+    clf, _ = fit(x[keep], np.asarray(y)[keep], model=model, kind="signals", layers=0, heads=0,
+                 card={**card, "features": describe_signals(inputs)}, folds=folds, seed=seed, inputs=tuple(inputs))
+    return clf
+
+
 def choose(train: dict, *, model: str, layers: int, heads: int, card: dict,
            margin: float = 0.01) -> tuple[FactualityClassifier, dict]:
-    """The classifier to ship for `model`, chosen on the training answers alone (cross-validated AUROC): the
-    stacked full-context or chunk-wise lookback model when it beats the calibrated mean log-probability by at least
-    `margin` (a stack over pure-noise ratios came out 0.002 above it on 800 synthetic answers: cross-validation noise
-    must not buy a model hundreds of weights), else the calibrated mean log-probability. Returns it and every
-    candidate's CV AUROC."""
+    """The classifier to ship for `model`, chosen on the training answers alone (cross-validated AUROC) among: the
+    calibrated mean log-probability; a logistic regression on all the free signals (SIGNALS); and the full-context
+    and chunk-wise lookback models stacked with the mean log-probability or with all the free signals. Any but the
+    calibrated mean log-probability must beat it by at least `margin` (a stack over pure-noise ratios came out 0.002
+    above it on 800 synthetic answers: cross-validation noise must not buy a model hundreds of weights). Candidates
+    needing a signal the training answers lack (sets collected before it was recorded) are left out. Returns the
+    chosen one and every candidate's CV AUROC."""
     y = np.asarray(train["label"], dtype=np.int64)
     lp = np.asarray(train["mean_logprob"], dtype=np.float64)
-    candidates, report = {}, {}
+    sig = signal_matrix(train, SIGNALS)
+    has_signals = bool(np.isfinite(sig).all(1).any())
+    candidates = {}
     keep = np.isfinite(lp)
     candidates["logprob"] = fit_logprob(lp[keep], y[keep], model=model, card=card)
+    if has_signals:
+        candidates["signals"] = fit_signals(train, y, model=model, card=card)
     for kind in ("full", "chunks"):
         x = np.asarray(train[kind], dtype=np.float64)
-        keep = np.isfinite(x).all(1) & np.isfinite(lp)
-        candidates[kind] = fit_stacked(x[keep], lp[keep], y[keep], model=model, kind=kind, layers=layers,
-                                       heads=heads, card={**card, "features": f"{kind} lookback ratios, one per "
-                                                          "(layer, head), averaged over decode steps"})
+        block_card = {**card, "features": f"{kind} lookback ratios, one per (layer, head), averaged over decode steps"}
+        for name, inputs in ((kind, ("mean_logprob",)), (f"{kind}+signals", SIGNALS)):
+            if len(inputs) > 1 and not has_signals:
+                continue
+            extra = signal_matrix(train, inputs)
+            keep = np.isfinite(x).all(1) & np.isfinite(extra).all(1)
+            candidates[name] = fit_stacked(x[keep], extra[keep], y[keep], model=model, kind=kind, layers=layers,
+                                           heads=heads, inputs=inputs, card=block_card)
     report = {k: float(c.card["cv_auroc"]) for k, c in candidates.items()}
-    best = max(("full", "chunks"), key=report.get)
+    best = max((k for k in report if k != "logprob"), key=report.get)
     if report[best] < report["logprob"] + margin:
         best = "logprob"
     chosen = candidates[best]
-    why = (f"the calibrated mean log-probability: no lookback model beat it by {margin} AUROC in cross-validation "
-           "on train" if best == "logprob" else f"stacked {best} lookback ratios + mean log-probability: the best "
-           f"cross-validated AUROC on train, at least {margin} above the calibrated mean log-probability's")
+    if best == "logprob":
+        why = (f"the calibrated mean log-probability: no other candidate beat it by {margin} AUROC in "
+               "cross-validation on train")
+    else:
+        made_of = ("a logistic regression on " if best == "signals"
+                   else f"stacked {best.split('+')[0]} lookback ratios + ")
+        why = (f"{made_of}{describe_signals(chosen.signals)}: the best cross-validated AUROC on train, at least "
+               f"{margin} above the calibrated mean log-probability's")
     chosen = dataclasses.replace(chosen, card={**chosen.card, "chosen": why, "cv_auroc_by_candidate": report})
     return chosen, report
 

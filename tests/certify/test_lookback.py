@@ -417,3 +417,127 @@ def test_the_shipped_classifier_states_what_it_predicts_and_how_it_was_chosen():
             assert h["gain"] == pytest.approx(h["auroc"] - h["logprob_auroc"], abs=2e-4)
         n = clf.layers * clf.heads if clf.needs_lookback else 1
         assert clf.mean.shape == clf.scale.shape == clf.coef.shape == (n,)
+
+
+def test_answer_signals_are_the_answers_token_statistics_and_its_passages_best_score():
+    from certrag.certify.factuality import SIGNALS, answer_signals
+
+    s = answer_signals([-0.5, -2.0, -0.1], [3.0, np.nan, 7.5])
+    assert set(s) == set(SIGNALS)
+    assert s["mean_logprob"] == pytest.approx(-2.6 / 3) and s["min_logprob"] == -2.0
+    assert s["first_logprob"] == -0.5 and s["top_rerank"] == 7.5
+    empty = answer_signals([], [np.nan, np.nan])  # nothing generated, passages not reranked
+    assert all(np.isnan(v) for v in empty.values())
+
+
+def _signal_draw(rng, n, block, rerank):
+    """Synthetic answers: a lookback block of 24 ratios carrying `block` of the label, the mean log-probability
+    carrying some, the passages' best reranker score carrying `rerank` (independent of the rest)."""
+    y = rng.integers(0, 2, n)
+    return {"label": y, "full": rng.normal(size=(n, 24)) + y[:, None] * block,
+            "chunks": rng.normal(size=(n, 24)), "mean_logprob": rng.normal(size=n) + y * 0.8,
+            "min_logprob": rng.normal(size=n) - 3.0, "first_logprob": rng.normal(size=n) - 1.0,
+            "top_rerank": rng.normal(size=n) * 2 + 10 + y * 2.0 * rerank}
+
+
+def test_the_free_signals_join_the_stack_when_they_add_to_it(tmp_path):
+    """choose() offers the stacks over all the free signals and a regression on the signals alone: where the best
+    reranker score carries what neither the ratios nor the log-probability do, the chosen model reads it and ranks
+    held-out answers better than the stack over the mean log-probability alone; where the signals are noise, the
+    earlier choice stands. Every choice saves and loads back to the same predictions, its inputs named."""
+    pytest.importorskip("sklearn")
+    from certrag.certify.factuality import SIGNALS, FactualityClassifier
+    from certrag.train.factuality import auroc, choose, signal_matrix
+
+    rng = np.random.default_rng(5)
+    for block, rerank, want in ((0.15, 1.0, "full"), (0.0, 1.0, "signals"), (0.15, 0.0, "full")):
+        train, test = _signal_draw(rng, 800, block, rerank), _signal_draw(rng, 3000, block, rerank)
+        clf, report = choose(train, model="m", layers=4, heads=6, card={})
+        assert set(report) == {"logprob", "signals", "full", "chunks", "full+signals", "chunks+signals"}
+        assert clf.kind == want, report
+        if rerank:
+            assert "top_rerank" in clf.signals, report
+        clf.save(tmp_path / "c.json")
+        back = FactualityClassifier.load(tmp_path / "c.json")
+        assert back.signals == clf.signals and back.to_dict() == clf.to_dict()
+        e = signal_matrix(test, clf.signals)
+        x, extra = (e, None) if clf.kind == "signals" else (test["full"], e)
+        got = back.predict_vectors(x, extra)
+        np.testing.assert_allclose(got, clf.predict_vectors(x, extra))
+        if rerank:  # the reranker score is worth its place on held-out answers
+            lp_only = choose({k: v for k, v in train.items() if k not in SIGNALS[1:]}, model="m", layers=4,
+                             heads=6, card={})[0]
+            base = lp_only.predict_vectors(test["full"], test["mean_logprob"]) if lp_only.stack else \
+                lp_only.predict_vectors(test["mean_logprob"][:, None])
+            assert auroc(test["label"], got) > auroc(test["label"], base) + 0.02
+        # one answer at a time, by name, as the engine calls it: the same probability
+        row = {k: float(test[k][0]) for k in SIGNALS}
+        one = clf.predict(None, signals=row) if clf.kind == "signals" else None
+        if one is not None:
+            assert one == pytest.approx(got[0], rel=1e-9)
+            assert np.isnan(clf.predict(None, signals={**row, "top_rerank": np.nan}))
+
+
+def test_a_version_2_classifier_file_still_loads_and_predicts_the_same(tmp_path):
+    """Shipped classifiers written before the free signals (version 2, a stack over the mean log-probability) load
+    with that stack's meaning."""
+    import json
+
+    from certrag.certify.factuality import FactualityClassifier, Stack
+
+    clf = FactualityClassifier(model="m", kind="full", layers=1, heads=3, mean=np.zeros(3), scale=np.ones(3),
+                               coef=np.array([0.5, -0.2, 0.1]), intercept=0.3, card={},
+                               stack=Stack(mean=np.array([0.1, -1.0]), scale=np.array([1.2, 0.4]),
+                                           coef=np.array([0.8, 1.1]), intercept=-0.1))
+    d = clf.to_dict()
+    d["version"] = 2
+    del d["inputs"], d["stack"]["inputs"]
+    (tmp_path / "v2.json").write_text(json.dumps(d))
+    back = FactualityClassifier.load(tmp_path / "v2.json")
+    assert back.stack.inputs == ("mean_logprob",) and back.signals == ("mean_logprob",)
+    x = np.random.default_rng(0).normal(size=(5, 3))
+    lp = np.linspace(-2, 0, 5)
+    z = np.column_stack([x @ clf.coef + 0.3, lp])
+    want = 1 / (1 + np.exp(-(((z - [0.1, -1.0]) / [1.2, 0.4]) @ [0.8, 1.1] - 0.1)))
+    np.testing.assert_allclose(back.predict_vectors(x, lp), want)
+    with pytest.raises(ValueError, match="stack's inputs"):
+        Stack(mean=np.zeros(2), scale=np.ones(2), coef=np.ones(2), intercept=0.0, inputs=("attention",))
+    with pytest.raises(ValueError, match="2 inputs"):
+        Stack(mean=np.zeros(3), scale=np.ones(3), coef=np.ones(3), intercept=0.0)
+
+
+def test_a_confidence_that_reads_the_reranker_score_has_one_when_the_reranker_was_skipped(tmp_path, smollm):
+    """A classifier over the free signals reads the best fused reranker score of the passages the reader was given;
+    with reranking skipped for the question (rerank=False, the adaptive rule) the engine scores those passages, so
+    the answer still has its P(correct), equal to the formula over an independent reranked retrieval's scores of
+    the same chunks."""
+    from certrag.certify.factuality import SIGNALS, FactualityClassifier
+    from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig
+    from certrag.data.corpora import wiki_leads
+    from certrag.engine import Engine
+    from certrag.llm.prompts import Passage, plain_messages
+    from certrag.rerank import CrossEncoderReranker
+
+    docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:15]]
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=4),
+                          selection=SelectionConfig(method="topk", k=2))
+    coef = np.array([1.5, 0.3, 0.2, 0.4])
+    clf = FactualityClassifier(model="smollm2-135m-instruct", kind="signals", layers=0, heads=0,
+                               mean=np.array([-1.0, -3.0, -1.0, 10.0]), scale=np.array([0.5, 1.0, 1.0, 2.0]),
+                               coef=coef, intercept=0.2, card={}, inputs=SIGNALS)
+    question = f"What is {docs[3]['id'][5:]}?"
+    with Engine.build(docs, tmp_path / "s", config, reranker=CrossEncoderReranker.default(), progress=False) as e:
+        e.llm, e.factuality = smollm, clf
+        dense = e.retrieve(question, rerank=False)  # as the adaptive rule leaves a question it skips
+        a = e.answer(question, retrieval=dense, confidence=True, max_new_tokens=8)
+        assert np.isnan(a.retrieval.rerank_scores).all()  # the answer was made from the dense ranking
+        reranked = e.retrieve(question, rerank=True, candidates=len(dense.chunk_ids))
+    fused = dict(zip(reranked.chunk_ids.tolist(), reranked.rerank_scores.tolist()))
+    top = max(fused[int(c)] for c in a.retrieval.selected_chunk_ids)
+    passages = [Passage(t, chunk_id=int(c)) for t, c in zip(a.retrieval.selected_texts,
+                                                           a.retrieval.selected_chunk_ids)]
+    g = smollm.generate(plain_messages(question, passages), max_new_tokens=8)
+    lps = list(g.token_logprobs)
+    row = np.array([g.mean_logprob, min(lps), lps[0], top])
+    want = 1 / (1 + np.exp(-(((row - clf.mean) / clf.scale) @ coef + 0.2)))
+    assert a.p_correct == pytest.approx(want, rel=1e-4)
