@@ -31,6 +31,21 @@ def rng():
     return np.random.default_rng(12345)
 
 
+@pytest.fixture
+def bench_dirs(tmp_path, monkeypatch):
+    """benchmarks/ importable, its scratch (DATA_DIR) and results (RESULTS_DIR) moved to tmp_path/data and
+    tmp_path/results: a benchmark's bookkeeping tested without touching the repository's runs."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _common
+
+    for name, attr in (("data", "DATA_DIR"), ("results", "RESULTS_DIR")):
+        (tmp_path / name).mkdir()
+        monkeypatch.setattr(_common, attr, tmp_path / name)
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """The real SmolLM2-135M-Instruct (the small bundled model for tests), loaded once per session."""

@@ -6,22 +6,14 @@ import gzip
 import json
 import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture()
-def bench(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import _common
+def bench(bench_dirs):
     import bench_noise
 
-    monkeypatch.setattr(_common, "DATA_DIR", tmp_path / "data")
-    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path / "results")
-    (tmp_path / "results").mkdir()
     return bench_noise
 
 

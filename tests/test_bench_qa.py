@@ -3,23 +3,14 @@ the committed rows archive, and a new run starts with no rows from an earlier on
 
 import json
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture()
-def bench(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(str(BENCH))
-    import _common
+def bench(bench_dirs):
     import bench_qa
 
-    monkeypatch.setattr(_common, "DATA_DIR", tmp_path / "data")
-    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path / "results")
-    (tmp_path / "data").mkdir()
-    (tmp_path / "results").mkdir()
     return bench_qa
 
 

@@ -90,14 +90,8 @@ def test_adaptive_split_compares_self_rag_and_plain_on_the_questions_each_way_wa
 
 
 @pytest.fixture()
-def scratch(bench, tmp_path, monkeypatch):
-    import _common
-
-    monkeypatch.setattr(_common, "DATA_DIR", tmp_path / "data")
-    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path / "results")
-    (tmp_path / "data").mkdir()
-    (tmp_path / "results").mkdir()
-    return tmp_path
+def scratch(bench, bench_dirs):
+    return bench_dirs
 
 
 def _shard_rows(bench, args, shard, qs):
