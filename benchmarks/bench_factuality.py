@@ -23,7 +23,8 @@ chosen on the same folds: slightly optimistic) and on the held-out test question
 The four sets of answers (train / test x protocol / engine) are collected by --workers processes, one core each,
 and cached (train sets under CERTRAG_HOME, test sets in benchmarks/data), so a rerun only refits and reports.
 
-    python benchmarks/bench_factuality.py --test-questions 200
+    python benchmarks/bench_factuality.py                      # about 75 min on two cores
+    python benchmarks/bench_factuality.py --train-questions 400 --test-questions 200  # about 25 min
 """
 
 from __future__ import annotations
@@ -47,6 +48,27 @@ def _points(label, score) -> dict:
     label, score = np.asarray(label), np.asarray(score, dtype=np.float64)
     keep = np.isfinite(score)
     return {"label": label[keep].astype(int).tolist(), "score": [round(float(v), 6) for v in score[keep]]}
+
+
+def auroc_gain(label, a, b, reps: int = 2000, seed: int = 0) -> dict:
+    """AUROC(a) - AUROC(b) over the answers both score (finite), with a 95% paired bootstrap interval (the same
+    resampled answers for both scores; resamples with one class only are skipped)."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+
+    label, a, b = np.asarray(label), np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    keep = np.isfinite(a) & np.isfinite(b)
+    label, a, b = label[keep], a[keep], b[keep]
+    if len(np.unique(label)) < 2:
+        return {"gain": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": int(keep.sum())}
+    rng = np.random.default_rng(seed)
+    gains = []
+    for _ in range(reps):
+        i = rng.integers(0, len(label), len(label))
+        if label[i].min() != label[i].max():
+            gains.append(roc_auc_score(label[i], a[i]) - roc_auc_score(label[i], b[i]))
+    return {"gain": float(roc_auc_score(label, a) - roc_auc_score(label, b)),
+            "lo": float(np.quantile(gains, 0.025)), "hi": float(np.quantile(gains, 0.975)), "n": int(keep.sum())}
 
 
 def wiki_items(n: int, seed: int = 20261203) -> list:
@@ -82,8 +104,10 @@ def _shares(parts: list[tuple], workers: int) -> list[list[tuple]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train-questions", type=int, default=400)
-    p.add_argument("--test-questions", type=int, default=200)
+    p.add_argument("--train-questions", type=int, default=1041,
+                   help="first N NQ-open train questions, each answered twice (default: all 1,041)")
+    p.add_argument("--test-questions", type=int, default=1081,
+                   help="first N NQ-open test questions, each answered twice (default: all 1,081)")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--weights", default="q8", choices=("q8", "float32"),
                    help="the reader's weight format (q8: the engine's default; the cached answers are kept apart)")
@@ -261,13 +285,22 @@ def main() -> None:
             "made": time.strftime("%Y-%m-%d", time.gmtime())}
     shipped, _ = choose(train, model=args.model, layers=layers, heads=heads, card=card)
 
-    def predict_shipped(d):
+    def shipped_scores(d):
+        """The shipped classifier's score of every answer (NaN where an input is missing)."""
         s = signal_matrix(d, shipped.signals)
+        out = np.full(len(d["label"]), np.nan)
         if not shipped.needs_lookback:
             kt = finite(s)
-            return d["label"][kt], shipped.predict_vectors(s[kt])
-        kt = finite(d[shipped.kind], s)
-        return d["label"][kt], shipped.predict_vectors(d[shipped.kind][kt], s[kt] if shipped.stack else None)
+            out[kt] = shipped.predict_vectors(s[kt])
+        else:
+            kt = finite(d[shipped.kind], s)
+            out[kt] = shipped.predict_vectors(d[shipped.kind][kt], s[kt] if shipped.stack else None)
+        return out
+
+    def predict_shipped(d):
+        score = shipped_scores(d)
+        kt = np.isfinite(score)
+        return d["label"][kt], score[kt]
 
     shipped_row = held_out({"what": "factuality_auroc",
                             "score": f"**shipped** (chosen on train): {shipped.card['chosen']}",
@@ -286,6 +319,9 @@ def main() -> None:
     for r in rows:
         print({k: v for k, v in r.items() if not k.endswith("_points")}, file=sys.stderr)
     logprob = next(r for r in rows if r["score"].startswith("mean token log-probability"))
+    gain_ci = {k: auroc_gain(parts[("test", k)]["label"], shipped_scores(parts[("test", k)]),
+                             parts[("test", k)]["mean_logprob"]) for k in tests}
+    shipped_row["gain_over_logprob"] = gain_ci
     if args.ship:
         from certrag.certify.factuality import PACKAGE_DIR
 
@@ -298,6 +334,7 @@ def main() -> None:
             "logprob_heldout_auroc": round(logprob["heldout_engine"], 4),
             "heldout": {k: {"auroc": round(shipped_row[f"heldout_{k}"], 4),
                             "logprob_auroc": round(logprob[f"heldout_{k}"], 4), "gain": round(gains[k], 4),
+                            "gain_95ci": [round(gain_ci[k]["lo"], 4), round(gain_ci[k]["hi"], 4)],
                             "n": shipped_row[f"test_n_{k}"]} for k in tests},
             "heldout_sets": {"protocol": f"first {args.test_questions} NQ-open test questions, 3-passage protocol",
                              "engine": f"first {args.test_questions} NQ-open test questions, the engine's retrieval",
@@ -325,6 +362,10 @@ def main() -> None:
         "(the field is `p_correct`). Share correct (all / with the gold passage among the passages / without): "
         + "; ".join(f"{name} {v[0]:.2f} / {v[1]:.2f} / {v[2]:.2f}" for name, v in bal.items()) + ". Classifiers "
         "are trained on train protocol + train engine answers.\n",
+        "The shipped classifier's AUROC minus the mean log-probability's on the same held-out answers, with a 95% "
+        "paired bootstrap interval (2,000 resamples): "
+        + "; ".join(f"{k} {g['gain']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}] (n = {g['n']})"
+                    for k, g in gain_ci.items()) + ".\n",
         _common.markdown_table(["score", "features", "AUROC, 5-fold CV on train"]
                                + [f"AUROC, held-out {k}" for k in tests] + ["C", "train n", "test n"],
                                [[r["score"], r["features"], r["cv_auroc"]] + [r[f"heldout_{k}"] for k in tests]
