@@ -241,8 +241,8 @@ def main() -> None:
               "generate": t["generate_ms"]}
     total = sum(stages.values())
     meta = _common.meta({"bench": "bench_qa", "model": args.model, "weights": args.weights, "counts": counts,
-                         "questions": args.questions, "noise_questions": args.noise_questions, "scan": args.scan, "below": args.below,
-                         "feedback": fb_dist, "end_to_end_ms": stages})
+                         "questions": args.questions, "noise_questions": args.noise_questions, "scan": args.scan,
+                         "below": args.below, "feedback": fb_dist, "end_to_end_ms": stages})
     by = {(x["strategy"], x["noise_ratio"]): x for x in summaries}
 
     def val(label, noise, key="em", fmt="{:.3f}"):

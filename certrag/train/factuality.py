@@ -57,7 +57,8 @@ def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, hea
     lr = LogisticRegression(C=best, max_iter=2000).fit(z, y)
     clf = FactualityClassifier(model=model, kind=kind, layers=layers, heads=heads, mean=mean, scale=scale,
                                coef=lr.coef_[0].astype(np.float64), intercept=float(lr.intercept_[0]),
-                               inputs=tuple(inputs), card={**card, "C": best, "cv_auroc": report[best], "cv_folds": folds,
+                               inputs=tuple(inputs),
+                               card={**card, "C": best, "cv_auroc": report[best], "cv_folds": folds,
                                      "cv_by_C": {str(k): v for k, v in report.items()}})
     return clf, report
 
