@@ -244,7 +244,7 @@ def main() -> None:
         rows.append(held_out({"what": "factuality_auroc", "score": names[kind], "features": x.shape[1],
                               "cv_auroc": clf.card["cv_auroc"], "C": clf.card["C"], "train_n": int(keep.sum())},
                              predict))
-    free = fit_signals(train, train["label"], model=args.model, card={})
+    free = fit_signals(train, model=args.model, card={})
 
     def predict_free(d):
         s = signal_matrix(d, SIGNALS)

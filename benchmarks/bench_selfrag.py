@@ -300,9 +300,8 @@ def main() -> None:
         import subprocess
 
         if not args.resume:  # a fresh run: the workers append to empty files, with deltas chosen on train
-            for i in range(args.workers):
-                for rev in (False, True):
-                    _shard_path(args, i, rev).unlink(missing_ok=True)
+            for path in _common.shard_paths(_stem(args), args.workers):  # the helpers' files too
+                path.unlink(missing_ok=True)
             chosen = choose_deltas(llm, args.delta_questions, args.rates)
             _deltas_path(args).write_text(json.dumps(chosen, indent=2) + "\n")
             print(f"deltas chosen on train: {chosen}", file=sys.stderr, flush=True)

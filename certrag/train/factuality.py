@@ -224,13 +224,13 @@ def signal_matrix(data: dict, inputs) -> np.ndarray:
                             for name in inputs])
 
 
-def fit_signals(train: dict, y: np.ndarray, *, model: str, card: dict, inputs=SIGNALS, folds: int = 5,
+def fit_signals(train: dict, *, model: str, card: dict, inputs=SIGNALS, folds: int = 5,
                 seed: int = 0) -> FactualityClassifier:
-    """A free model: logistic regression on the answers' free signals (no lookback ratios), C by cross-validation;
-    answers missing a signal are left out of the fit."""
+    """A free model: logistic regression on the answers' free signals (no lookback ratios) against their labels, C
+    by cross-validation; answers missing a signal are left out of the fit."""
     x = signal_matrix(train, inputs)
     keep = np.isfinite(x).all(1)
-    clf, _ = fit(x[keep], np.asarray(y)[keep], model=model, kind="signals", layers=0, heads=0,
+    clf, _ = fit(x[keep], np.asarray(train["label"])[keep], model=model, kind="signals", layers=0, heads=0,
                  card={**card, "features": describe_signals(inputs)}, folds=folds, seed=seed, inputs=tuple(inputs))
     return clf
 
@@ -252,7 +252,7 @@ def choose(train: dict, *, model: str, layers: int, heads: int, card: dict,
     keep = np.isfinite(lp)
     candidates["logprob"] = fit_logprob(lp[keep], y[keep], model=model, card=card)
     if has_signals:
-        candidates["signals"] = fit_signals(train, y, model=model, card=card)
+        candidates["signals"] = fit_signals(train, model=model, card=card)
     for kind in ("full", "chunks"):
         x = np.asarray(train[kind], dtype=np.float64)
         block_card = {**card, "features": f"{kind} lookback ratios, one per (layer, head), averaged over decode steps"}
