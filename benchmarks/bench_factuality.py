@@ -17,8 +17,11 @@ regression: certrag.train.factuality.fit_stacked), each block stacked with all t
 minimum and first token log-probability and its passages' best fused reranker score:
 certrag.certify.factuality.answer_signals), a logistic regression on the free signals alone, and baselines without
 training: the answer's mean, minimum and first token log-probability and the best *fused* reranker score of its
-passages (cross-encoder + dense term: the score the engine ranks by). AUROC cross-validated on train (5 folds, C
-chosen on the same folds: slightly optimistic) and on the held-out test questions (fit on all of train).
+passages (cross-encoder + dense term: the score the engine ranks by) and the share of the answer's words found in
+one of its passages (certrag.certify.factuality.answer_support). AUROC cross-validated on train (5 folds, C chosen on
+the same folds: slightly optimistic), over all of train and over its engine answers alone, and on the held-out test
+questions (fit on all of train). The classifier to ship is the candidate with the best cross-validated AUROC on the
+train *engine* answers (certrag.train.factuality.choose with judge): those are the answers it scores at run time.
 
 The four sets of answers (train / test x protocol / engine) are collected by --workers processes, one core each,
 and cached (train sets under CERTRAG_HOME, test sets in benchmarks/data), so a rerun only refits and reports.
@@ -172,6 +175,11 @@ def main() -> None:
                 data["top_rerank"] = protocol_top_scores(items, CrossEncoderReranker.default(), k=3)
                 save_examples(path, data, meta)
                 return data
+            if {**got, "signals": list(SIGNALS)} == meta and "support" not in got.get("signals", []):
+                # answers made before the support signal: it needs only their text and the passages they read
+                data["support"] = support_of(data, items, kind)
+                save_examples(path, data, meta)
+                return data
 
         if kind == "protocol":
             data = collect(llm(), items, k=3, reranker=CrossEncoderReranker.default())
@@ -182,6 +190,30 @@ def main() -> None:
             data = collect_engine(engine, llm(), items)
         save_examples(path, data, meta)
         return data
+
+    def support_of(data: dict, items, kind: str):
+        """The support signal of answers already made: their text against the passages they were given, made
+        again (the protocol's sets are seeded; the engine's retrieval is deterministic, which the passages' best
+        reranker score, recorded when the answers were made, checks)."""
+        from certrag.certify.factuality import answer_support
+        from certrag.train.factuality import nq_passage_sets
+
+        if kind == "protocol":
+            sets = [passages for passages, _ in nq_passage_sets(items, k=3)]
+        else:
+            from _nq import cached_embedder, nq_store
+            from certrag.rerank import CrossEncoderReranker
+
+            engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
+            sets, tops = [], []
+            for r in engine.retrieve_batch([it.question for it in items]):
+                sets.append(list(r.selected_texts))
+                tops.append(float(np.nanmax(r.rerank_scores[: r.selected])) if r.selected else np.nan)
+            if not np.allclose(np.asarray(tops), data["top_rerank"], atol=1e-3, equal_nan=True):
+                raise SystemExit(f"the engine retrieves other passages than when its {kind} answers were made: "
+                                 "delete the cached set to make it again")
+        return np.asarray([answer_support(text, passages) for text, passages in zip(data["predictions"], sets)],
+                          dtype=np.float32)
 
     wanted = [(split, n, kind, certrag_home() if split == "train" else _common.DATA_DIR)
               for split, n in (("train", args.train_questions), ("test", args.test_questions))
@@ -208,6 +240,8 @@ def main() -> None:
         return {k: np.concatenate([a[k], b[k]]) for k in a if isinstance(a[k], np.ndarray)}
 
     train = joined("train")
+    n_protocol = len(parts[("train", "protocol")]["label"])
+    engine_part = np.arange(len(train["label"])) >= n_protocol  # the answers the classifier meets at run time
     feats = {"chunks": lambda d: d["chunks"], "full": lambda d: d["full"],
              "combined": lambda d: combined_features(d, "chunks")}
     names = {"chunks": "logistic regression, chunk-wise lookback ratios",
@@ -235,16 +269,16 @@ def main() -> None:
         x = feat(train)
         keep = finite(x)
         clf, _ = fit(x[keep], train["label"][keep], model=args.model, kind="chunks" if kind == "combined" else kind,
-                     layers=0, heads=0, card={})
+                     layers=0, heads=0, card={}, judge=engine_part[keep])
 
         def predict(d, feat=feat, clf=clf):
             kt = finite(feat(d))
             return d["label"][kt], clf.predict_vectors(feat(d)[kt])
 
         rows.append(held_out({"what": "factuality_auroc", "score": names[kind], "features": x.shape[1],
-                              "cv_auroc": clf.card["cv_auroc"], "C": clf.card["C"], "train_n": int(keep.sum())},
-                             predict))
-    free = fit_signals(train, model=args.model, card={})
+                              "cv_auroc": clf.card["cv_auroc"], "cv_auroc_engine": clf.card["cv_auroc_judged"],
+                              "C": clf.card["C"], "train_n": int(keep.sum())}, predict))
+    free = fit_signals(train, model=args.model, card={}, judge=engine_part)
 
     def predict_free(d):
         s = signal_matrix(d, SIGNALS)
@@ -253,7 +287,8 @@ def main() -> None:
 
     rows.append(held_out({"what": "factuality_auroc", "score": f"logistic regression, free signals ("
                           f"{describe_signals(SIGNALS)})", "features": len(SIGNALS),
-                          "cv_auroc": free.card["cv_auroc"], "C": free.card["C"],
+                          "cv_auroc": free.card["cv_auroc"], "cv_auroc_engine": free.card["cv_auroc_judged"],
+                          "C": free.card["C"],
                           "train_n": int(finite(signal_matrix(train, SIGNALS)).sum())}, predict_free))
     # the block's score and the free signals joined by a second regression: the mean log-probability, or all
     for kind, inputs in (("chunks", ("mean_logprob",)), ("full", ("mean_logprob",)), ("chunks", SIGNALS),
@@ -261,7 +296,7 @@ def main() -> None:
         x, extra = train[kind], signal_matrix(train, inputs)
         keep = finite(x, extra)
         st = fit_stacked(x[keep], extra[keep], train["label"][keep], model=args.model, kind=kind, layers=0,
-                         heads=0, inputs=inputs, card={})
+                         heads=0, inputs=inputs, card={}, judge=engine_part[keep])
 
         def predict(d, kind=kind, st=st, inputs=inputs):
             e = signal_matrix(d, inputs)
@@ -271,8 +306,8 @@ def main() -> None:
         joined_with = "mean log-probability" if len(inputs) == 1 else "the free signals"
         rows.append(held_out({"what": "factuality_auroc", "score": f"stacked: {names[kind].split(', ')[1]} model, "
                               f"then its score + {joined_with}", "features": x.shape[1] + len(inputs),
-                              "cv_auroc": st.card["cv_auroc"], "C": st.card["C"], "train_n": int(keep.sum())},
-                             predict))
+                              "cv_auroc": st.card["cv_auroc"], "cv_auroc_engine": st.card["cv_auroc_judged"],
+                              "C": st.card["C"], "train_n": int(keep.sum())}, predict))
     layers, heads = llm().config.layers, llm().config.heads
     card = {"data": f"{args.model} ({args.weights}) answers, greedy, at most 24 tokens, to the first "
                     f"{args.train_questions} NQ-open train questions twice: from 3 passages (the gold one for half, "
@@ -283,7 +318,7 @@ def main() -> None:
             "remake": f"python benchmarks/bench_factuality.py --ship --model {args.model} --weights {args.weights} "
                       f"--train-questions {args.train_questions}",
             "made": time.strftime("%Y-%m-%d", time.gmtime())}
-    shipped, _ = choose(train, model=args.model, layers=layers, heads=heads, card=card)
+    shipped, _ = choose(train, model=args.model, layers=layers, heads=heads, card=card, judge=engine_part)
 
     def shipped_scores(d):
         """The shipped classifier's score of every answer (NaN where an input is missing)."""
@@ -305,15 +340,19 @@ def main() -> None:
     shipped_row = held_out({"what": "factuality_auroc",
                             "score": f"**shipped** (chosen on train): {shipped.card['chosen']}",
                             "features": shipped.mean.size + (len(shipped.stack.inputs) if shipped.stack else 0),
-                            "cv_auroc": shipped.card["cv_auroc"], "C": shipped.card.get("C"),
+                            "cv_auroc": shipped.card["cv_auroc"], "cv_auroc_engine": shipped.card["cv_auroc_judged"],
+                            "C": shipped.card.get("C"),
                             "train_n": int(len(train["label"]))}, predict_shipped)
     rows.append(shipped_row)
     for key, name in (("mean_logprob", "mean token log-probability (baseline)"),
                       ("min_logprob", "minimum token log-probability (no training)"),
                       ("first_logprob", "first token's log-probability (no training)"),
-                      ("top_rerank", "best fused reranker score of the passages (baseline)")):
+                      ("top_rerank", "best fused reranker score of the passages (baseline)"),
+                      ("support", "share of the answer's words found in one of its passages (no training)")):
         rows.append(held_out({"what": "factuality_auroc", "score": name, "features": 1,
-                              "cv_auroc": auroc(train["label"], train[key]), "C": None,
+                              "cv_auroc": auroc(train["label"], train[key]),
+                              "cv_auroc_engine": auroc(train["label"][engine_part], train[key][engine_part]),
+                              "C": None,
                               "train_n": int(np.isfinite(train[key]).sum())},
                              lambda d, key=key: (d["label"], d[key])))
     for r in rows:
@@ -361,14 +400,16 @@ def main() -> None:
         f"Answers of {args.model} (greedy, at most 24 tokens); label = a reference answer contained in the answer "
         "(the field is `p_correct`). Share correct (all / with the gold passage among the passages / without): "
         + "; ".join(f"{name} {v[0]:.2f} / {v[1]:.2f} / {v[2]:.2f}" for name, v in bal.items()) + ". Classifiers "
-        "are trained on train protocol + train engine answers.\n",
+        "are trained on train protocol + train engine answers; the one shipped is chosen by its cross-validated AUROC "
+        "on the train engine answers.\n",
         "The shipped classifier's AUROC minus the mean log-probability's on the same held-out answers, with a 95% "
         "paired bootstrap interval (2,000 resamples): "
         + "; ".join(f"{k} {g['gain']:+.3f} [{g['lo']:+.3f}, {g['hi']:+.3f}] (n = {g['n']})"
                     for k, g in gain_ci.items()) + ".\n",
-        _common.markdown_table(["score", "features", "AUROC, 5-fold CV on train"]
+        _common.markdown_table(["score", "features", "AUROC, 5-fold CV on train", "the same, train engine answers"]
                                + [f"AUROC, held-out {k}" for k in tests] + ["C", "train n", "test n"],
-                               [[r["score"], r["features"], r["cv_auroc"]] + [r[f"heldout_{k}"] for k in tests]
+                               [[r["score"], r["features"], r["cv_auroc"], r["cv_auroc_engine"]]
+                                + [r[f"heldout_{k}"] for k in tests]
                                 + [r["C"], r["train_n"], " / ".join(str(r[f"test_n_{k}"]) for k in tests)]
                                 for r in rows]),
         "\n![ROC curves on held-out answers](results/factuality_roc.png)\n" if not args.no_write else "",

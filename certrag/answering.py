@@ -140,13 +140,15 @@ def passages_of(r: Retrieval, n: int) -> list[Passage]:
 
 
 def _signals(call, question: str, r: Retrieval, classifier, reranker) -> dict:
-    """The answer's free signals (certrag.certify.factuality.answer_signals) over the passages it read; a retrieval
-    the reranker skipped (rerank=False, the adaptive rule) has its read passages scored now when the classifier
-    reads their best score, so the confidence exists and means what it was trained on."""
+    """The answer's free signals (certrag.certify.factuality.answer_signals: the answer call's text and token
+    log-probabilities, as at training) over the passages it read; a retrieval the reranker skipped (rerank=False,
+    the adaptive rule) has its read passages scored now when the classifier reads their best score, so the
+    confidence exists and means what it was trained on."""
     scores = r.rerank_scores[: r.selected]
     if "top_rerank" in classifier.signals and reranker is not None and r.selected and np.isnan(scores).all():
         scores = reranker.score(question, list(r.texts[: r.selected]), r.dense_scores[: r.selected])
-    return answer_signals(getattr(call, "token_logprobs", ()), scores)
+    return answer_signals(getattr(call, "token_logprobs", ()), scores, answer=getattr(call, "text", None),
+                          passages=list(r.texts[: r.selected]))
 
 
 def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: AnswerOptions, *,

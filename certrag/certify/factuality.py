@@ -11,7 +11,8 @@ chunk-wise or full-context lookback ratio of every (layer, head), averaged over 
 - "logprob": a logistic regression on the mean log-probability alone (the calibrated free baseline: what ships
   where no lookback model beats it);
 - "signals": a logistic regression on free per-answer signals (answer_signals: the answer's mean, minimum and first
-  token log-probability, the best fused reranker score of its passages), no lookback ratios.
+  token log-probability, the best fused reranker score of its passages, the share of its words found in one of
+  its passages), no lookback ratios.
 A stack's second level may join more of those signals than the mean log-probability (Stack.inputs).
 Saved as JSON with its card (no pickle); the classifiers shipped for the bundled readers live in
 certrag/certify/models/. How they are made: certrag.train.factuality and `benchmarks/bench_factuality.py --ship`.
@@ -27,27 +28,47 @@ from pathlib import Path
 
 import numpy as np
 
+from certrag.textnorm import normalize_answer
+
 PACKAGE_DIR = Path(__file__).resolve().parent / "models"
 LABEL = "P(correct): the probability that the answer contains a reference answer (NQ-open gold answer contained)"
 KINDS = ("chunks", "full", "logprob", "signals")
-SIGNALS = ("mean_logprob", "min_logprob", "first_logprob", "top_rerank")
+SIGNALS = ("mean_logprob", "min_logprob", "first_logprob", "top_rerank", "support")
 
 
-def answer_signals(token_logprobs, passage_scores=()) -> dict[str, float]:
+def answer_support(answer: str, passages) -> float:
+    """The largest share of the answer's words (DPR-normalised, as the label compares them) found in one of the
+    passages it was given: 1.0 for a span copied from a passage, near 0 for an invented answer or an "unknown";
+    0.0 for an answer with no words. Free: no model, the answer's text and the passages only."""
+    words = normalize_answer(answer).split()
+    if not words:
+        return 0.0
+    best = 0
+    for passage in passages:
+        vocabulary = set(normalize_answer(passage).split())
+        best = max(best, sum(w in vocabulary for w in words))
+    return best / len(words)
+
+
+def answer_signals(token_logprobs, passage_scores=(), *, answer: str | None = None,
+                   passages=None) -> dict[str, float]:
     """The free signals of one answer, the same at training and at run time: its mean, minimum and first token
-    log-probability, and the best fused reranker score among the passages it was given (NaN where missing: no
-    generated tokens, passages not reranked)."""
+    log-probability, the best fused reranker score among the passages it was given, and its support in them
+    (answer_support; needs the answer's text and the passages). NaN where missing: no generated tokens, passages
+    not reranked, no text or passages given."""
     lp = [float(v) for v in token_logprobs]
     scores = np.asarray(passage_scores, dtype=np.float64).ravel()
     scores = scores[np.isfinite(scores)]
+    support = answer_support(answer, passages) if answer is not None and passages is not None else math.nan
     return {"mean_logprob": sum(lp) / len(lp) if lp else math.nan, "min_logprob": min(lp) if lp else math.nan,
             "first_logprob": lp[0] if lp else math.nan,
-            "top_rerank": float(scores.max()) if scores.size else math.nan}
+            "top_rerank": float(scores.max()) if scores.size else math.nan, "support": support}
 
 
 SIGNAL_NAMES = {"mean_logprob": "the mean token log-probability", "min_logprob": "the minimum token log-probability",
                 "first_logprob": "the first token's log-probability",
-                "top_rerank": "the best fused reranker score of the passages"}
+                "top_rerank": "the best fused reranker score of the passages",
+                "support": "the share of the answer's words found in one of its passages"}
 
 
 def describe_signals(names) -> str:

@@ -1,22 +1,13 @@
 """QA metrics as DPR computes them (Karpukhin et al., 2020): answers are lower-cased, stripped of punctuation and of
-the articles a / an / the, and whitespace-normalised before comparison."""
+the articles a / an / the, and whitespace-normalised before comparison (certrag.textnorm)."""
 
 from __future__ import annotations
 
-import re
-import string
-import unicodedata
 from collections import Counter
 
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = set(string.punctuation)
+from certrag.textnorm import normalize_answer
 
-
-def normalize_answer(text: str) -> str:
-    text = unicodedata.normalize("NFD", text).lower()
-    text = "".join(ch for ch in text if ch not in _PUNCT)
-    text = _ARTICLES.sub(" ", text)
-    return " ".join(text.split())
+__all__ = ["answer_in_text", "exact_match", "f1_score", "normalize_answer", "substring_match"]
 
 
 def exact_match(prediction: str, answers: list[str] | tuple[str, ...]) -> float:

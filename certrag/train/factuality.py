@@ -31,10 +31,12 @@ LABEL_RULE = "gold answer contained in the normalised prediction (DPR normalisat
 
 
 def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, heads: int, card: dict,
-        cs=(0.001, 0.01, 0.1, 1.0), folds: int = 5, seed: int = 0,
-        inputs: tuple[str, ...] = ()) -> tuple[FactualityClassifier, dict]:
+        cs=(0.001, 0.01, 0.1, 1.0), folds: int = 5, seed: int = 0, inputs: tuple[str, ...] = (),
+        judge: np.ndarray | None = None) -> tuple[FactualityClassifier, dict]:
     """Standardise, choose C by stratified cross-validated AUROC on (x, y), refit on all (inputs: a "signals"
-    classifier's signal names, x's columns). Returns the classifier and the cross-validation report."""
+    classifier's signal names, x's columns). judge: a mask of the examples whose out-of-fold AUROC the card also
+    states (card["cv_auroc_judged"]; choose() weighs candidates by it). Returns the classifier and the
+    cross-validation report."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import roc_auc_score
     from sklearn.model_selection import StratifiedKFold
@@ -46,20 +48,21 @@ def fit(x: np.ndarray, y: np.ndarray, *, model: str, kind: str, layers: int, hea
     mean, scale = x.mean(0), x.std(0)
     scale[scale == 0] = 1.0
     z = (x - mean) / scale
-    report = {}
+    report, preds = {}, {}
     for c in cs:
         pred = np.zeros(len(y))
         for tr, te in StratifiedKFold(folds, shuffle=True, random_state=seed).split(z, y):
             lr = LogisticRegression(C=c, max_iter=2000).fit(z[tr], y[tr])
             pred[te] = lr.decision_function(z[te])
-        report[c] = float(roc_auc_score(y, pred))
+        report[c], preds[c] = float(roc_auc_score(y, pred)), pred
     best = max(report, key=report.get)
+    judged = {} if judge is None else {"cv_auroc_judged": auroc(y[judge], preds[best][judge])}
     lr = LogisticRegression(C=best, max_iter=2000).fit(z, y)
     clf = FactualityClassifier(model=model, kind=kind, layers=layers, heads=heads, mean=mean, scale=scale,
                                coef=lr.coef_[0].astype(np.float64), intercept=float(lr.intercept_[0]),
                                inputs=tuple(inputs),
                                card={**card, "C": best, "cv_auroc": report[best], "cv_folds": folds,
-                                     "cv_by_C": {str(k): v for k, v in report.items()}})
+                                     "cv_by_C": {str(k): v for k, v in report.items()}, **judged})
     return clf, report
 
 
@@ -144,7 +147,8 @@ def _answer_all(llm, rows, max_new_tokens: int, progress: bool) -> dict:
         f = g.lookback
         out["chunks"].append(f.vector("chunks"))
         out["full"].append(f.vector("full"))
-        signals = {**answer_signals(g.token_logprobs, [top]), "mean_logprob": g.mean_logprob}  # as answering's
+        signals = {**answer_signals(g.token_logprobs, [top], answer=g.text, passages=passages),
+                   "mean_logprob": g.mean_logprob}  # as answering's
         for name in SIGNALS:
             out[name].append(signals[name])
         out["steps"].append(f.steps)
@@ -164,13 +168,15 @@ def combined_features(data: dict, kind: str = "chunks") -> np.ndarray:
 
 
 def fit_stacked(x: np.ndarray, extra: np.ndarray, y: np.ndarray, *, folds: int = 5, seed: int = 0,
-                inputs: tuple[str, ...] = ("mean_logprob",), **block_args) -> FactualityClassifier:
+                inputs: tuple[str, ...] = ("mean_logprob",), judge: np.ndarray | None = None,
+                **block_args) -> FactualityClassifier:
     """Stacking: the block model (fit, C by cross-validation) is refitted per fold to give every training example
     an out-of-fold decision value; a logistic regression on [that value, extra] (extra: the answer's free signals
     named by inputs, (n,) for one, (n, len(inputs)) for several; by default the mean log-probability) is the second
     level, kept at its own weight where appending them as features among hundreds lets the block's penalty shrink
     them with the rest. Out-of-fold values keep the second level from trusting a block score that has seen its own
-    labels. card["cv_auroc"] is the second level's, on the out-of-fold values."""
+    labels. card["cv_auroc"] is the second level's, on the out-of-fold values (card["cv_auroc_judged"] the same on
+    the examples judge marks, when given)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import roc_auc_score
     from sklearn.model_selection import StratifiedKFold
@@ -200,19 +206,21 @@ def fit_stacked(x: np.ndarray, extra: np.ndarray, y: np.ndarray, *, folds: int =
     lr = LogisticRegression(max_iter=2000).fit(z, y)
     stack = Stack(mean=mean2, scale=scale2, coef=lr.coef_[0].astype(np.float64), intercept=float(lr.intercept_[0]),
                   inputs=tuple(inputs))
+    judged = {} if judge is None else {"cv_auroc_judged": auroc(y[judge], pred[judge])}
     card = {**block.card, "block_cv_auroc": block.card["cv_auroc"], "cv_auroc": float(roc_auc_score(y, pred)),
+            **judged,
             "features": f"{block.card.get('features', block.kind + ' lookback ratios')} -> stacked with "
                         f"{describe_signals(inputs)}"}
     return dataclasses.replace(block, stack=stack, card=card)
 
 
 def fit_logprob(mean_logprob: np.ndarray, y: np.ndarray, *, model: str, card: dict, folds: int = 5,
-                seed: int = 0) -> FactualityClassifier:
+                seed: int = 0, judge: np.ndarray | None = None) -> FactualityClassifier:
     """The free baseline, calibrated: a logistic regression on the mean token log-probability alone (its AUROC is
     the raw score's; its output is a probability)."""
     clf, _ = fit(np.asarray(mean_logprob, dtype=np.float64)[:, None], y, model=model, kind="logprob", layers=0,
                  heads=0, card={**card, "features": "mean token log-probability of the answer"}, cs=(1.0,),
-                 folds=folds, seed=seed)
+                 folds=folds, seed=seed, judge=judge)
     return clf
 
 
@@ -224,59 +232,82 @@ def signal_matrix(data: dict, inputs) -> np.ndarray:
                             for name in inputs])
 
 
-def fit_signals(train: dict, *, model: str, card: dict, inputs=SIGNALS, folds: int = 5,
-                seed: int = 0) -> FactualityClassifier:
+def fit_signals(train: dict, *, model: str, card: dict, inputs=SIGNALS, folds: int = 5, seed: int = 0,
+                judge: np.ndarray | None = None) -> FactualityClassifier:
     """A free model: logistic regression on the answers' free signals (no lookback ratios) against their labels, C
-    by cross-validation; answers missing a signal are left out of the fit."""
+    by cross-validation; answers missing a signal are left out of the fit (and of judge, a mask as fit's)."""
     x = signal_matrix(train, inputs)
     keep = np.isfinite(x).all(1)
     clf, _ = fit(x[keep], np.asarray(train["label"])[keep], model=model, kind="signals", layers=0, heads=0,
-                 card={**card, "features": describe_signals(inputs)}, folds=folds, seed=seed, inputs=tuple(inputs))
+                 card={**card, "features": describe_signals(inputs)}, folds=folds, seed=seed, inputs=tuple(inputs),
+                 judge=None if judge is None else np.asarray(judge, dtype=bool)[keep])
     return clf
 
 
-def choose(train: dict, *, model: str, layers: int, heads: int, card: dict,
-           margin: float = 0.01) -> tuple[FactualityClassifier, dict]:
+def carried_signals(train: dict) -> tuple[str, ...]:
+    """The free signals (SIGNALS, in order) that every one of the training answers carries: a set collected
+    before a signal was recorded lacks it (a NaN column), and a model cannot learn what it was never shown."""
+    n = len(train["label"])
+    return tuple(name for name in SIGNALS
+                 if name in train and len(train[name]) == n and np.isfinite(np.asarray(train[name], float)).all())
+
+
+def choose(train: dict, *, model: str, layers: int, heads: int, card: dict, margin: float = 0.01,
+           judge: np.ndarray | None = None,
+           judged: str = "train's engine answers") -> tuple[FactualityClassifier, dict]:
     """The classifier to ship for `model`, chosen on the training answers alone (cross-validated AUROC) among: the
-    calibrated mean log-probability; a logistic regression on all the free signals (SIGNALS); and the full-context
-    and chunk-wise lookback models stacked with the mean log-probability or with all the free signals. Any but the
-    calibrated mean log-probability must beat it by at least `margin` (a stack over pure-noise ratios came out 0.002
-    above it on 800 synthetic answers: cross-validation noise must not buy a model hundreds of weights). Candidates
-    needing a signal the training answers lack (sets collected before it was recorded) are left out. Returns the
-    chosen one and every candidate's CV AUROC."""
+    calibrated mean log-probability; a logistic regression on all the free signals the answers carry
+    (carried_signals); and the full-context and chunk-wise lookback models stacked with the mean log-probability
+    or with all those signals. Every candidate is fitted on all the training answers; judge (a mask) names the ones
+    its out-of-fold AUROC is weighed on -- the engine's own answers, the ones it meets at run time, when the
+    training set also holds answers written under another protocol (default: all; judged: what they are, for the
+    card). Any but the calibrated mean
+    log-probability must beat it by at least `margin` (a stack over pure-noise ratios came out 0.002 above it on
+    800 synthetic answers: cross-validation noise must not buy a model hundreds of weights). Returns the chosen one
+    and every candidate's CV AUROC (on the judged answers)."""
     y = np.asarray(train["label"], dtype=np.int64)
     lp = np.asarray(train["mean_logprob"], dtype=np.float64)
-    sig = signal_matrix(train, SIGNALS)
-    has_signals = bool(np.isfinite(sig).all(1).any())
+    judge = None if judge is None else np.asarray(judge, dtype=bool)
+    if judge is not None and (judge.shape != y.shape or len(np.unique(y[judge])) < 2):
+        raise ValueError(f"judge must mark some of the {len(y)} training answers, of both labels")
+    carried = carried_signals(train)
+    has_signals = len(carried) > 1
+
+    def part(keep):
+        return None if judge is None else judge[keep]
+
     candidates = {}
     keep = np.isfinite(lp)
-    candidates["logprob"] = fit_logprob(lp[keep], y[keep], model=model, card=card)
+    candidates["logprob"] = fit_logprob(lp[keep], y[keep], model=model, card=card, judge=part(keep))
     if has_signals:
-        candidates["signals"] = fit_signals(train, model=model, card=card)
+        candidates["signals"] = fit_signals(train, model=model, card=card, inputs=carried, judge=judge)
     for kind in ("full", "chunks"):
         x = np.asarray(train[kind], dtype=np.float64)
         block_card = {**card, "features": f"{kind} lookback ratios, one per (layer, head), averaged over decode steps"}
-        for name, inputs in ((kind, ("mean_logprob",)), (f"{kind}+signals", SIGNALS)):
-            if len(inputs) > 1 and not has_signals:
+        for name, inputs in ((kind, ("mean_logprob",)), (f"{kind}+signals", carried)):
+            if name.endswith("+signals") and not has_signals:
                 continue
             extra = signal_matrix(train, inputs)
             keep = np.isfinite(x).all(1) & np.isfinite(extra).all(1)
             candidates[name] = fit_stacked(x[keep], extra[keep], y[keep], model=model, kind=kind, layers=layers,
-                                           heads=heads, inputs=inputs, card=block_card)
-    report = {k: float(c.card["cv_auroc"]) for k, c in candidates.items()}
+                                           heads=heads, inputs=inputs, card=block_card, judge=part(keep))
+    score = "cv_auroc" if judge is None else "cv_auroc_judged"
+    report = {k: float(c.card[score]) for k, c in candidates.items()}
     best = max((k for k in report if k != "logprob"), key=report.get)
     if report[best] < report["logprob"] + margin:
         best = "logprob"
     chosen = candidates[best]
+    on = "train" if judge is None else judged
     if best == "logprob":
         why = (f"the calibrated mean log-probability: no other candidate beat it by {margin} AUROC in "
-               "cross-validation on train")
+               f"cross-validation on {on}")
     else:
         made_of = ("a logistic regression on " if best == "signals"
                    else f"stacked {best.split('+')[0]} lookback ratios + ")
-        why = (f"{made_of}{describe_signals(chosen.signals)}: the best cross-validated AUROC on train, at least "
+        why = (f"{made_of}{describe_signals(chosen.signals)}: the best cross-validated AUROC on {on}, at least "
                f"{margin} above the calibrated mean log-probability's")
-    chosen = dataclasses.replace(chosen, card={**chosen.card, "chosen": why, "cv_auroc_by_candidate": report})
+    chosen = dataclasses.replace(chosen, card={**chosen.card, "chosen": why, "cv_auroc_by_candidate": report,
+                                               "chosen_on": on})
     return chosen, report
 
 

@@ -411,7 +411,8 @@ def test_the_shipped_classifier_states_what_it_predicts_and_how_it_was_chosen():
         card = clf.card
         for key in ("data", "label", "features", "chosen", "remake", "heldout", "cv_auroc_by_candidate"):
             assert card.get(key), (path.name, key)
-        assert card["cv_auroc"] >= card["cv_auroc_by_candidate"]["logprob"]  # chosen on train, never below it
+        # chosen on train (its engine answers, where the card says so), never below the log-probability there
+        assert card.get("cv_auroc_judged", card["cv_auroc"]) >= card["cv_auroc_by_candidate"]["logprob"]
         for name, h in card["heldout"].items():
             assert 0.5 < h["auroc"] <= 1 and 0.5 < h["logprob_auroc"] <= 1 and h["n"] >= 100, name
             assert h["gain"] == pytest.approx(h["auroc"] - h["logprob_auroc"], abs=2e-4)
@@ -426,8 +427,26 @@ def test_answer_signals_are_the_answers_token_statistics_and_its_passages_best_s
     assert set(s) == set(SIGNALS)
     assert s["mean_logprob"] == pytest.approx(-2.6 / 3) and s["min_logprob"] == -2.0
     assert s["first_logprob"] == -0.5 and s["top_rerank"] == 7.5
+    assert np.isnan(s["support"])  # no text, no passages: unknown, not zero
     empty = answer_signals([], [np.nan, np.nan])  # nothing generated, passages not reranked
     assert all(np.isnan(v) for v in empty.values())
+
+
+def test_an_answers_support_is_the_largest_share_of_its_words_one_passage_holds():
+    """Words are compared as the label compares answers (DPR normalisation: case, punctuation and articles
+    ignored); the share is taken per passage, so words scattered over two passages do not add up."""
+    from certrag.certify.factuality import answer_signals, answer_support
+
+    passages = ["The Eiffel Tower is in Paris, France.", "It was completed in 1889 by Gustave Eiffel's company."]
+    assert answer_support("Paris", passages) == 1.0
+    assert answer_support("the PARIS!", passages) == 1.0  # article, case and punctuation as the label ignores
+    assert answer_support("Paris 1889", passages) == 0.5  # each word in a different passage: half in the best one
+    assert answer_support("completed in 1889", passages) == 1.0
+    assert answer_support("Lyon", passages) == 0.0 and answer_support("unknown", passages) == 0.0
+    assert answer_support("", passages) == 0.0 and answer_support("Paris", []) == 0.0
+    assert answer_support("Paris", ["Parisian food"]) == 0.0  # whole words, not substrings
+    s = answer_signals([-0.2, -0.4], [1.0], answer="Rome, Paris", passages=passages)
+    assert s["support"] == 0.5
 
 
 def _signal_draw(rng, n, block, rerank):
@@ -471,7 +490,7 @@ def test_the_free_signals_join_the_stack_when_they_add_to_it(tmp_path):
                 lp_only.predict_vectors(test["mean_logprob"][:, None])
             assert auroc(test["label"], got) > auroc(test["label"], base) + 0.02
         # one answer at a time, by name, as the engine calls it: the same probability
-        row = {k: float(test[k][0]) for k in SIGNALS}
+        row = {k: float(test[k][0]) for k in SIGNALS if k in test}
         one = clf.predict(None, signals=row) if clf.kind == "signals" else None
         if one is not None:
             assert one == pytest.approx(got[0], rel=1e-9)
@@ -510,7 +529,7 @@ def test_a_confidence_that_reads_the_reranker_score_has_one_when_the_reranker_wa
     """A classifier over the free signals reads the best fused reranker score of the passages the reader was given;
     with reranking skipped for the question (rerank=False, the adaptive rule) the engine scores those passages, so
     the answer still has its P(correct), equal to the formula over an independent reranked retrieval's scores of
-    the same chunks."""
+    the same chunks and over the answer's support counted by hand in the passages it read."""
     from certrag.certify.factuality import SIGNALS, FactualityClassifier
     from certrag.config import EngineConfig, RetrievalConfig, SelectionConfig
     from certrag.data.corpora import wiki_leads
@@ -521,10 +540,13 @@ def test_a_confidence_that_reads_the_reranker_score_has_one_when_the_reranker_wa
     docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in wiki_leads()[:15]]
     config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=4),
                           selection=SelectionConfig(method="topk", k=2))
-    coef = np.array([1.5, 0.3, 0.2, 0.4])
+    from certrag.eval.metrics import normalize_answer
+
+    coef = np.array([1.5, 0.3, 0.2, 0.4, 2.5])
     clf = FactualityClassifier(model="smollm2-135m-instruct", kind="signals", layers=0, heads=0,
-                               mean=np.array([-1.0, -3.0, -1.0, 10.0]), scale=np.array([0.5, 1.0, 1.0, 2.0]),
-                               coef=coef, intercept=0.2, card={}, inputs=SIGNALS)
+                               mean=np.array([-1.0, -3.0, -1.0, 10.0, 0.5]),
+                               scale=np.array([0.5, 1.0, 1.0, 2.0, 0.3]), coef=coef, intercept=0.2, card={},
+                               inputs=SIGNALS)
     question = f"What is {docs[3]['id'][5:]}?"
     with Engine.build(docs, tmp_path / "s", config, reranker=CrossEncoderReranker.default(), progress=False) as e:
         e.llm, e.factuality = smollm, clf
@@ -538,6 +560,38 @@ def test_a_confidence_that_reads_the_reranker_score_has_one_when_the_reranker_wa
                                                            a.retrieval.selected_chunk_ids)]
     g = smollm.generate(plain_messages(question, passages), max_new_tokens=8)
     lps = list(g.token_logprobs)
-    row = np.array([g.mean_logprob, min(lps), lps[0], top])
+    assert g.text == a.text
+    words = normalize_answer(g.text).split()
+    support = max(sum(w in normalize_answer(t).split() for w in words) / len(words)
+                  for t in a.retrieval.selected_texts) if words else 0.0
+    row = np.array([g.mean_logprob, min(lps), lps[0], top, support])
     want = 1 / (1 + np.exp(-(((row - clf.mean) / clf.scale) @ coef + 0.2)))
     assert a.p_correct == pytest.approx(want, rel=1e-4)
+
+
+def test_the_choice_is_weighed_on_the_answers_judge_names():
+    """Training answers of two kinds: protocol ones, where the lookback ratios carry the label, and the engine's,
+    where they are noise and the log-probability alone carries it. Weighed on all of them the stacked lookback
+    model wins; weighed on the engine answers (judge) -- the ones met at run time -- the calibrated log-probability
+    does, and the report holds the engine answers' out-of-fold AUROCs (the log-probability's is its raw AUROC
+    there, up to the folds' calibration)."""
+    pytest.importorskip("sklearn")
+    from certrag.train.factuality import auroc, carried_signals, choose
+
+    rng = np.random.default_rng(2)
+    n = 900
+    y = rng.integers(0, 2, 2 * n)
+    engine = np.arange(2 * n) >= n
+    full = rng.normal(size=(2 * n, 24))
+    full[~engine] += y[~engine, None] * 0.5
+    train = {"label": y, "full": full, "chunks": rng.normal(size=(2 * n, 24)),
+             "mean_logprob": rng.normal(size=2 * n) + y * 0.8}
+    assert carried_signals(train) == ("mean_logprob",)
+    pooled, _ = choose(train, model="m", layers=4, heads=6, card={})
+    judged, report = choose(train, model="m", layers=4, heads=6, card={}, judge=engine)
+    assert pooled.kind == "full" and pooled.card["chosen_on"] == "train"
+    assert judged.kind == "logprob" and judged.card["chosen_on"] == "train's engine answers", report
+    assert report["logprob"] == pytest.approx(auroc(y[engine], train["mean_logprob"][engine]), abs=0.01)
+    assert report["full"] < report["logprob"] + 0.01
+    with pytest.raises(ValueError, match="judge"):
+        choose(train, model="m", layers=4, heads=6, card={}, judge=engine & (y == 1))
