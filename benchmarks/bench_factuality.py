@@ -136,9 +136,9 @@ def main() -> None:
     from certrag.certify.factuality import SIGNALS, describe_signals
     from certrag.data.nq import load_nq_open
     from certrag.home import certrag_home
-    from certrag.train.factuality import (LABEL_RULE, auroc, choose, collect, collect_engine, combined_features,
-                                          fit, fit_signals, fit_stacked, load_examples,
-                                          protocol_top_scores, save_examples, signal_matrix)
+    from certrag.train.factuality import (LABEL_RULE, auroc, candidate_models, choose, collect, collect_engine,
+                                          combined_features, fit, load_examples, protocol_top_scores, save_examples,
+                                          signal_matrix)
 
     state = {}
 
@@ -278,36 +278,6 @@ def main() -> None:
         rows.append(held_out({"what": "factuality_auroc", "score": names[kind], "features": x.shape[1],
                               "cv_auroc": clf.card["cv_auroc"], "cv_auroc_engine": clf.card["cv_auroc_judged"],
                               "C": clf.card["C"], "train_n": int(keep.sum())}, predict))
-    free = fit_signals(train, model=args.model, card={}, judge=engine_part)
-
-    def predict_free(d):
-        s = signal_matrix(d, SIGNALS)
-        kt = finite(s)
-        return d["label"][kt], free.predict_vectors(s[kt])
-
-    rows.append(held_out({"what": "factuality_auroc", "score": f"logistic regression, free signals ("
-                          f"{describe_signals(SIGNALS)})", "features": len(SIGNALS),
-                          "cv_auroc": free.card["cv_auroc"], "cv_auroc_engine": free.card["cv_auroc_judged"],
-                          "C": free.card["C"],
-                          "train_n": int(finite(signal_matrix(train, SIGNALS)).sum())}, predict_free))
-    # the block's score and the free signals joined by a second regression: the mean log-probability, or all
-    for kind, inputs in (("chunks", ("mean_logprob",)), ("full", ("mean_logprob",)), ("chunks", SIGNALS),
-                         ("full", SIGNALS)):
-        x, extra = train[kind], signal_matrix(train, inputs)
-        keep = finite(x, extra)
-        st = fit_stacked(x[keep], extra[keep], train["label"][keep], model=args.model, kind=kind, layers=0,
-                         heads=0, inputs=inputs, card={}, judge=engine_part[keep])
-
-        def predict(d, kind=kind, st=st, inputs=inputs):
-            e = signal_matrix(d, inputs)
-            kt = finite(d[kind], e)
-            return d["label"][kt], st.predict_vectors(d[kind][kt], e[kt])
-
-        joined_with = "mean log-probability" if len(inputs) == 1 else "the free signals"
-        rows.append(held_out({"what": "factuality_auroc", "score": f"stacked: {names[kind].split(', ')[1]} model, "
-                              f"then its score + {joined_with}", "features": x.shape[1] + len(inputs),
-                              "cv_auroc": st.card["cv_auroc"], "cv_auroc_engine": st.card["cv_auroc_judged"],
-                              "C": st.card["C"], "train_n": int(keep.sum())}, predict))
     layers, heads = llm().config.layers, llm().config.heads
     card = {"data": f"{args.model} ({args.weights}) answers, greedy, at most 24 tokens, to the first "
                     f"{args.train_questions} NQ-open train questions twice: from 3 passages (the gold one for half, "
@@ -318,24 +288,55 @@ def main() -> None:
             "remake": f"python benchmarks/bench_factuality.py --ship --model {args.model} --weights {args.weights} "
                       f"--train-questions {args.train_questions}",
             "made": time.strftime("%Y-%m-%d", time.gmtime())}
-    shipped, _ = choose(train, model=args.model, layers=layers, heads=heads, card=card, judge=engine_part)
+    # the candidates the shipped one is chosen from, fitted once: their rows, then the choice
+    candidates = candidate_models(train, model=args.model, layers=layers, heads=heads, card=card, judge=engine_part)
 
-    def shipped_scores(d):
-        """The shipped classifier's score of every answer (NaN where an input is missing)."""
-        s = signal_matrix(d, shipped.signals)
+    def scores(clf, d):
+        """A classifier's score of every answer (NaN where an input is missing)."""
+        s = signal_matrix(d, clf.signals)
         out = np.full(len(d["label"]), np.nan)
-        if not shipped.needs_lookback:
+        if not clf.needs_lookback:
             kt = finite(s)
-            out[kt] = shipped.predict_vectors(s[kt])
+            out[kt] = clf.predict_vectors(s[kt])
         else:
-            kt = finite(d[shipped.kind], s)
-            out[kt] = shipped.predict_vectors(d[shipped.kind][kt], s[kt] if shipped.stack else None)
+            kt = finite(d[clf.kind], s)
+            out[kt] = clf.predict_vectors(d[clf.kind][kt], s[kt] if clf.stack else None)
         return out
 
-    def predict_shipped(d):
-        score = shipped_scores(d)
-        kt = np.isfinite(score)
-        return d["label"][kt], score[kt]
+    def predictor(clf):
+        def predict(d):
+            score = scores(clf, d)
+            kt = np.isfinite(score)
+            return d["label"][kt], score[kt]
+        return predict
+
+    def candidate_row(name: str, score: str) -> dict:
+        clf = candidates[name]
+        x = signal_matrix(train, clf.signals)
+        if clf.needs_lookback:
+            x = np.column_stack([train[clf.kind], x])
+        return held_out({"what": "factuality_auroc", "score": score,
+                         "features": clf.mean.size + (len(clf.stack.inputs) if clf.stack else 0),
+                         "cv_auroc": clf.card["cv_auroc"], "cv_auroc_engine": clf.card["cv_auroc_judged"],
+                         "C": clf.card["C"], "train_n": int(finite(x).sum())}, predictor(clf))
+
+    if "signals" in candidates:
+        rows.append(candidate_row("signals", "logistic regression, free signals ("
+                                  f"{describe_signals(candidates['signals'].signals)})"))
+    # the block's score and the free signals joined by a second regression: the mean log-probability, or all
+    for name in ("chunks", "full", "chunks+signals", "full+signals"):
+        if name in candidates:
+            kind = name.split("+")[0]
+            joined_with = "mean log-probability" if name == kind else "the free signals"
+            rows.append(candidate_row(name, f"stacked: {names[kind].split(', ')[1]} model, then its score + "
+                                      f"{joined_with}"))
+    shipped, _ = choose(train, model=args.model, layers=layers, heads=heads, card=card, judge=engine_part,
+                        candidates=candidates)
+
+    def shipped_scores(d):
+        return scores(shipped, d)
+
+    predict_shipped = predictor(shipped)
 
     shipped_row = held_out({"what": "factuality_auroc",
                             "score": f"**shipped** (chosen on train): {shipped.card['chosen']}",

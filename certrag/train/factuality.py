@@ -252,19 +252,14 @@ def carried_signals(train: dict) -> tuple[str, ...]:
                  if name in train and len(train[name]) == n and np.isfinite(np.asarray(train[name], float)).all())
 
 
-def choose(train: dict, *, model: str, layers: int, heads: int, card: dict, margin: float = 0.01,
-           judge: np.ndarray | None = None,
-           judged: str = "train's engine answers") -> tuple[FactualityClassifier, dict]:
-    """The classifier to ship for `model`, chosen on the training answers alone (cross-validated AUROC) among: the
-    calibrated mean log-probability; a logistic regression on all the free signals the answers carry
-    (carried_signals); and the full-context and chunk-wise lookback models stacked with the mean log-probability
-    or with all those signals. Every candidate is fitted on all the training answers; judge (a mask) names the ones
-    its out-of-fold AUROC is weighed on -- the engine's own answers, the ones it meets at run time, when the
-    training set also holds answers written under another protocol (default: all; judged: what they are, for the
-    card). Any but the calibrated mean
-    log-probability must beat it by at least `margin` (a stack over pure-noise ratios came out 0.002 above it on
-    800 synthetic answers: cross-validation noise must not buy a model hundreds of weights). Returns the chosen one
-    and every candidate's CV AUROC (on the judged answers)."""
+def candidate_models(train: dict, *, model: str, layers: int, heads: int, card: dict,
+                     judge: np.ndarray | None = None) -> dict[str, FactualityClassifier]:
+    """The candidates choose() weighs, each fitted on all the training answers: "logprob" (the calibrated mean
+    log-probability), "signals" (a logistic regression on all the free signals the answers carry:
+    carried_signals), and "full" / "chunks" (the lookback model stacked with the mean log-probability) and
+    "full+signals" / "chunks+signals" (stacked with all those signals); the ones needing more than one signal only
+    when the answers carry more. judge: a mask as fit's, each card then holding its out-of-fold AUROC on those
+    answers ("cv_auroc_judged")."""
     y = np.asarray(train["label"], dtype=np.int64)
     lp = np.asarray(train["mean_logprob"], dtype=np.float64)
     judge = None if judge is None else np.asarray(judge, dtype=bool)
@@ -291,6 +286,22 @@ def choose(train: dict, *, model: str, layers: int, heads: int, card: dict, marg
             keep = np.isfinite(x).all(1) & np.isfinite(extra).all(1)
             candidates[name] = fit_stacked(x[keep], extra[keep], y[keep], model=model, kind=kind, layers=layers,
                                            heads=heads, inputs=inputs, card=block_card, judge=part(keep))
+    return candidates
+
+
+def choose(train: dict, *, model: str, layers: int, heads: int, card: dict, margin: float = 0.01,
+           judge: np.ndarray | None = None, judged: str = "train's engine answers",
+           candidates: dict[str, FactualityClassifier] | None = None) -> tuple[FactualityClassifier, dict]:
+    """The classifier to ship for `model`, chosen on the training answers alone by cross-validated AUROC among
+    candidate_models(train, ...) (or `candidates`, fitted by it with the same judge: a benchmark that also reports
+    them fits them once). judge (a mask) names the answers the AUROC is weighed on -- the engine's own answers, the
+    ones it meets at run time, when the training set also holds answers written under another protocol (default:
+    all; judged: what they are, for the card). Any but the calibrated mean log-probability must beat it by at least
+    `margin` (a stack over pure-noise ratios came out 0.002 above it on 800 synthetic answers: cross-validation noise
+    must not buy a model hundreds of weights). Returns the chosen one and every candidate's CV AUROC (on the judged
+    answers)."""
+    if candidates is None:
+        candidates = candidate_models(train, model=model, layers=layers, heads=heads, card=card, judge=judge)
     score = "cv_auroc" if judge is None else "cv_auroc_judged"
     report = {k: float(c.card[score]) for k, c in candidates.items()}
     best = max((k for k in report if k != "logprob"), key=report.get)
