@@ -105,6 +105,36 @@ def _shares(parts: list[tuple], workers: int) -> list[list[tuple]]:
     return out
 
 
+def support_of(data: dict, items, kind: str, engine=None):
+    """The support signal (certrag.certify.factuality.answer_support) of answers made before it was recorded: their
+    text against the passages they were given, made again -- the protocol's (seeded) sets, or the engine's retrieval
+    (engine, default the NQ store of bench_retrieval), which must give the passages' best reranker score recorded
+    when the answers were made (else the cached set is stale: SystemExit)."""
+    import numpy as np
+
+    from certrag.certify.factuality import answer_support
+    from certrag.train.factuality import nq_passage_sets
+
+    if kind == "protocol":
+        sets = [passages for passages, _ in nq_passage_sets(items, k=3)]
+    else:
+        if engine is None:
+            from _nq import cached_embedder, nq_store
+            from certrag.rerank import CrossEncoderReranker
+
+            engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
+        sets, tops = [], []
+        for r in engine.retrieve_batch([it.question for it in items]):
+            sets.append(list(r.selected_texts))
+            scores = r.rerank_scores[: r.selected]
+            tops.append(float(np.nanmax(scores)) if r.selected and np.isfinite(scores).any() else np.nan)
+        if not np.allclose(np.asarray(tops), data["top_rerank"], atol=1e-3, equal_nan=True):
+            raise SystemExit(f"the engine retrieves other passages than when its {kind} answers were made: "
+                             "delete the cached set to make it again")
+    return np.asarray([answer_support(text, passages) for text, passages in zip(data["predictions"], sets)],
+                      dtype=np.float32)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train-questions", type=int, default=1041,
@@ -190,30 +220,6 @@ def main() -> None:
             data = collect_engine(engine, llm(), items)
         save_examples(path, data, meta)
         return data
-
-    def support_of(data: dict, items, kind: str):
-        """The support signal of answers already made: their text against the passages they were given, made
-        again (the protocol's sets are seeded; the engine's retrieval is deterministic, which the passages' best
-        reranker score, recorded when the answers were made, checks)."""
-        from certrag.certify.factuality import answer_support
-        from certrag.train.factuality import nq_passage_sets
-
-        if kind == "protocol":
-            sets = [passages for passages, _ in nq_passage_sets(items, k=3)]
-        else:
-            from _nq import cached_embedder, nq_store
-            from certrag.rerank import CrossEncoderReranker
-
-            engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
-            sets, tops = [], []
-            for r in engine.retrieve_batch([it.question for it in items]):
-                sets.append(list(r.selected_texts))
-                tops.append(float(np.nanmax(r.rerank_scores[: r.selected])) if r.selected else np.nan)
-            if not np.allclose(np.asarray(tops), data["top_rerank"], atol=1e-3, equal_nan=True):
-                raise SystemExit(f"the engine retrieves other passages than when its {kind} answers were made: "
-                                 "delete the cached set to make it again")
-        return np.asarray([answer_support(text, passages) for text, passages in zip(data["predictions"], sets)],
-                          dtype=np.float32)
 
     wanted = [(split, n, kind, certrag_home() if split == "train" else _common.DATA_DIR)
               for split, n in (("train", args.train_questions), ("test", args.test_questions))

@@ -29,3 +29,28 @@ def test_the_auroc_gain_is_paired_and_its_interval_covers_what_it_should(bench):
     assert m["n"] == 550
     assert m["gain"] == pytest.approx(roc_auc_score(y[50:], good[50:]) - roc_auc_score(y[50:], weak[50:]))
     assert np.isnan(bench.auroc_gain(np.ones(10), good[:10], weak[:10])["gain"])
+
+
+def test_answers_made_before_the_support_signal_gain_it_from_their_passages_made_again(bench, tmp_path, smollm):
+    """A cached engine answer set without the support signal gets it from its texts and the engine's passages
+    retrieved again: the same values the collection computed while answering. An engine that now retrieves other
+    passages (its best reranker score no longer the recorded one) is refused rather than mixed in."""
+    from certrag.config import EngineConfig, RetrievalConfig
+    from certrag.data.corpora import wiki_leads
+    from certrag.data.nq import QAItem
+    from certrag.engine import Engine
+    from certrag.rerank import CrossEncoderReranker
+    from certrag.train.factuality import collect_engine
+
+    rows = wiki_leads()[:20]
+    docs = [{"id": f"wiki:{t}", "text": f"{t}\n{x}"} for t, x, _ in rows]
+    items = [QAItem(question=f"What is {t}?", answers=(t,), title=t, passage=x) for t, x, _ in rows[:3]]
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=4, rerank=True))
+    with Engine.build(docs, tmp_path / "s", config, reranker=CrossEncoderReranker.default(), progress=False) as e:
+        data = collect_engine(e, smollm, items, max_new_tokens=6, progress=False)
+        old = {k: v for k, v in data.items() if k != "support"}
+        np.testing.assert_array_equal(bench.support_of(old, items, "engine", engine=e), data["support"])
+        assert np.isfinite(data["support"]).all() and ((data["support"] >= 0) & (data["support"] <= 1)).all()
+        moved = {**old, "top_rerank": old["top_rerank"] + 1.0}
+        with pytest.raises(SystemExit, match="delete the cached set"):
+            bench.support_of(moved, items, "engine", engine=e)
