@@ -245,11 +245,12 @@ def fit_signals(train: dict, *, model: str, card: dict, inputs=SIGNALS, folds: i
 
 
 def carried_signals(train: dict) -> tuple[str, ...]:
-    """The free signals (SIGNALS, in order) that every one of the training answers carries: a set collected
-    before a signal was recorded lacks it (a NaN column), and a model cannot learn what it was never shown."""
+    """The free signals (SIGNALS, in order) the training answers carry: a set collected before a signal was
+    recorded lacks it (no column, or a NaN one), and a model cannot learn what it was never shown. A signal a few
+    answers lack (an empty answer has no token log-probability) is carried; the fits reading it leave those out."""
     n = len(train["label"])
     return tuple(name for name in SIGNALS
-                 if name in train and len(train[name]) == n and np.isfinite(np.asarray(train[name], float)).all())
+                 if name in train and len(train[name]) == n and np.isfinite(np.asarray(train[name], float)).any())
 
 
 def candidate_models(train: dict, *, model: str, layers: int, heads: int, card: dict,

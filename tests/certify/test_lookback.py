@@ -595,3 +595,17 @@ def test_the_choice_is_weighed_on_the_answers_judge_names():
     assert report["full"] < report["logprob"] + 0.01
     with pytest.raises(ValueError, match="judge"):
         choose(train, model="m", layers=4, heads=6, card={}, judge=engine & (y == 1))
+
+
+def test_a_signal_is_carried_unless_the_answers_never_recorded_it():
+    """carried_signals: a column missing or all NaN (a set made before the signal existed) is not carried; one a few
+    answers lack (an empty answer has no log-probability) is, in SIGNALS' order."""
+    from certrag.train.factuality import carried_signals
+
+    n = 6
+    lp = np.linspace(-2, 0, n)
+    lp[2] = np.nan
+    train = {"label": np.arange(n) % 2, "mean_logprob": lp, "support": np.full(n, np.nan),
+             "top_rerank": np.arange(n, dtype=float)}
+    assert carried_signals(train) == ("mean_logprob", "top_rerank")
+    assert carried_signals({**train, "top_rerank": np.arange(n - 1, dtype=float)}) == ("mean_logprob",)
