@@ -113,7 +113,7 @@ def support_of(data: dict, items, kind: str, engine=None):
     import numpy as np
 
     from certrag.certify.factuality import answer_support
-    from certrag.train.factuality import nq_passage_sets
+    from certrag.train.factuality import nq_passage_sets, selected_passages
 
     if kind == "protocol":
         sets = [passages for passages, _ in nq_passage_sets(items, k=3)]
@@ -123,11 +123,8 @@ def support_of(data: dict, items, kind: str, engine=None):
             from certrag.rerank import CrossEncoderReranker
 
             engine, _ = nq_store(cached_embedder(), CrossEncoderReranker.default())
-        sets, tops = [], []
-        for r in engine.retrieve_batch([it.question for it in items]):
-            sets.append(list(r.selected_texts))
-            scores = r.rerank_scores[: r.selected]
-            tops.append(float(np.nanmax(scores)) if r.selected and np.isfinite(scores).any() else np.nan)
+        picked = [selected_passages(r) for r in engine.retrieve_batch([it.question for it in items])]
+        sets, tops = [p for p, _ in picked], [t for _, t in picked]
         if not np.allclose(np.asarray(tops), data["top_rerank"], atol=1e-3, equal_nan=True):
             raise SystemExit(f"the engine retrieves other passages than when its {kind} answers were made: "
                              "delete the cached set to make it again")
@@ -316,8 +313,7 @@ def main() -> None:
             return d["label"][kt], score[kt]
         return predict
 
-    def candidate_row(name: str, score: str) -> dict:
-        clf = candidates[name]
+    def classifier_row(clf, score: str) -> dict:
         x = signal_matrix(train, clf.signals)
         if clf.needs_lookback:
             x = np.column_stack([train[clf.kind], x])
@@ -327,29 +323,19 @@ def main() -> None:
                          "C": clf.card["C"], "train_n": int(finite(x).sum())}, predictor(clf))
 
     if "signals" in candidates:
-        rows.append(candidate_row("signals", "logistic regression, free signals ("
+        rows.append(classifier_row(candidates["signals"], "logistic regression, free signals ("
                                   f"{describe_signals(candidates['signals'].signals)})"))
     # the block's score and the free signals joined by a second regression: the mean log-probability, or all
     for name in ("chunks", "full", "chunks+signals", "full+signals"):
         if name in candidates:
             kind = name.split("+")[0]
             joined_with = "mean log-probability" if name == kind else "the free signals"
-            rows.append(candidate_row(name, f"stacked: {names[kind].split(', ')[1]} model, then its score + "
-                                      f"{joined_with}"))
+            rows.append(classifier_row(candidates[name], f"stacked: {names[kind].split(', ')[1]} model, then its "
+                                       f"score + {joined_with}"))
     shipped, _ = choose(train, model=args.model, layers=layers, heads=heads, card=card, judge=engine_part,
                         candidates=candidates)
 
-    def shipped_scores(d):
-        return scores(shipped, d)
-
-    predict_shipped = predictor(shipped)
-
-    shipped_row = held_out({"what": "factuality_auroc",
-                            "score": f"**shipped** (chosen on train): {shipped.card['chosen']}",
-                            "features": shipped.mean.size + (len(shipped.stack.inputs) if shipped.stack else 0),
-                            "cv_auroc": shipped.card["cv_auroc"], "cv_auroc_engine": shipped.card["cv_auroc_judged"],
-                            "C": shipped.card.get("C"),
-                            "train_n": int(len(train["label"]))}, predict_shipped)
+    shipped_row = classifier_row(shipped, f"**shipped** (chosen on train): {shipped.card['chosen']}")
     rows.append(shipped_row)
     for key, name in (("mean_logprob", "mean token log-probability (baseline)"),
                       ("min_logprob", "minimum token log-probability (no training)"),
@@ -365,7 +351,7 @@ def main() -> None:
     for r in rows:
         print({k: v for k, v in r.items() if not k.endswith("_points")}, file=sys.stderr)
     logprob = next(r for r in rows if r["score"].startswith("mean token log-probability"))
-    gain_ci = {k: auroc_gain(parts[("test", k)]["label"], shipped_scores(parts[("test", k)]),
+    gain_ci = {k: auroc_gain(parts[("test", k)]["label"], scores(shipped, parts[("test", k)]),
                              parts[("test", k)]["mean_logprob"]) for k in tests}
     shipped_row["gain_over_logprob"] = gain_ci
     if args.ship:

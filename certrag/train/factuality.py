@@ -125,11 +125,18 @@ def collect_engine(engine, llm, items, *, max_new_tokens: int = 24, progress: bo
     them."""
     rows = []
     for it, r in zip(items, engine.retrieve_batch([it.question for it in items])):
-        passages = list(r.selected_texts)
+        passages, top = selected_passages(r)
         with_gold = int(any(t.strip() == it.gold_text.strip() for t in passages))
-        top = float(np.nanmax(r.rerank_scores[: r.selected])) if not np.isnan(r.rerank_scores).all() else math.nan
         rows.append((it, passages, with_gold, top))
     return _answer_all(llm, rows, max_new_tokens, progress)
+
+
+def selected_passages(r) -> tuple[list[str], float]:
+    """A retrieval's selected passages, as the reader is given them, and their best fused reranker score (NaN when
+    they were not reranked): what collect_engine records for an engine answer."""
+    scores = r.rerank_scores[: r.selected]
+    top = float(np.nanmax(scores)) if r.selected and np.isfinite(scores).any() else math.nan
+    return list(r.selected_texts), top
 
 
 def _answer_all(llm, rows, max_new_tokens: int, progress: bool) -> dict:
