@@ -65,6 +65,15 @@ def parse_chain_of_note(output: str, n_passages: int) -> tuple[tuple[Note, ...],
     return tuple(notes), answer, malformed
 
 
+def has_answer_line(output: str) -> bool:
+    """Whether a Chain-of-Note generation wrote its answer line ("Answer: ..."), as parse_chain_of_note reads it."""
+    return any(_ANSWER.match(line) for line in output.splitlines())
+
+
+ANSWER_LINE_REQUEST = ("Now write only the final line: 'Answer:' followed by the answer alone, as a short phrase, or "
+                       "'Answer: unknown' if no passage is relevant and you do not know the answer.")
+
+
 _NOTE_KIND = re.compile(r"^[\s*#>-]*(?:reading\s+)?(?:note\s*\d*\s*)?[\[(]?\s*(answers?|context|irrelevant)\b"
                         r"[\s*\])]*[:-]?[\s*]*(.*)$", re.I)
 
@@ -154,13 +163,19 @@ class ChainOfNote:
             budget = self.max_new_tokens * (len(passages) + 1)
             started = CON_PREFIX if passages and isinstance(llm, TokenLLM) else ""
             kwargs = {"prefix": started} if started else {}
-            g = generate(llm, chain_of_note_messages(question, passages, qtype, options), max_new_tokens=budget,
-                         record_lookback=record_lookback, **kwargs)
-            notes, answer, malformed = parse_chain_of_note(f"{started}{g.text}" if started else g.text,
-                                                           len(passages))
+            messages = chain_of_note_messages(question, passages, qtype, options)
+            g = generate(llm, messages, max_new_tokens=budget, record_lookback=record_lookback, **kwargs)
+            written, calls = f"{started}{g.text}", (g,)
+            if not has_answer_line(written):
+                # the notes ran out of budget (or the model stopped) before the answer line: the answer is asked for
+                # after the notes as written, never read from the last, cut note
+                g2 = self._answer_after(llm, messages, written, record_lookback)
+                written, calls = f"{written.rstrip()}\nAnswer:{g2.text}", (g, g2)
+            notes, answer, malformed = parse_chain_of_note(written, len(passages))
             rejected = is_unknown(answer)
-            return StrategyResult(text=UNKNOWN if rejected else answer, calls=(g,), notes=notes, rejected=rejected,
-                                  malformed=malformed, passages_used=len(passages))
+            malformed |= not answer.strip()
+            return StrategyResult(text=UNKNOWN if rejected else answer, calls=calls, notes=notes, rejected=rejected,
+                                  malformed=malformed, passages_used=len(passages), answer_call=len(calls) - 1)
         gens = generate_all(llm, [note_messages(question, p) for p in passages], self.max_new_tokens)
         notes, keep, malformed = [], [], False
         for i, g in enumerate(gens, 1):
@@ -190,6 +205,16 @@ class ChainOfNote:
         return StrategyResult(text=UNKNOWN if rejected else answer, calls=(*gens, final), notes=tuple(notes),
                               rejected=rejected, malformed=malformed, passages_used=len(passages), cited=tuple(keep),
                               answer_call=len(gens))
+
+    def _answer_after(self, llm: LLM, messages: list[dict], written: str, record_lookback: bool):
+        """The answer line's generation after notes that lack one: a local model continues its own text from
+        "Answer:"; a chat backend gets the notes back as its turn and is asked for the line."""
+        if isinstance(llm, TokenLLM):
+            return generate(llm, messages, max_new_tokens=self.answer_tokens, record_lookback=record_lookback,
+                            prefix=f"{written.rstrip()}\nAnswer:")
+        follow = [*messages, {"role": "assistant", "content": written},
+                  {"role": "user", "content": ANSWER_LINE_REQUEST}]
+        return generate(llm, follow, max_new_tokens=self.answer_tokens, record_lookback=record_lookback)
 
     def with_max_new_tokens(self, n: int) -> "ChainOfNote":
         """n is the budget of each note (per passage in "single" mode)."""

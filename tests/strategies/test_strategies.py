@@ -95,6 +95,38 @@ def test_chain_of_note_continues_a_local_models_first_note(smollm):
     assert r.notes and r.notes[0].passage == 1
 
 
+def test_chain_of_note_asks_for_the_answer_when_the_notes_leave_none():
+    """Notes cut by the token budget (or ended) before the answer line: the answer is asked for after them, and the
+    cut note is never taken for the answer (before: "Passage 2: irrelevant, it" was answered)."""
+    llm = Scripted(["Passage 1: answers the question: Paris is the capital.\nPassage 2: irrelevant, it",
+                    " Paris\n"])
+    r = ChainOfNote().run("Capital of France?", PASSAGES, llm)
+    assert len(llm.prompts) == 2 and len(r.calls) == 2 and r.answer_call == 1
+    follow = llm.prompts[1]
+    assert follow[:2] == llm.prompts[0] and follow[2]["role"] == "assistant" and "irrelevant, it" in follow[2]["content"]
+    assert "Answer:" in follow[3]["content"]
+    assert r.text == "Paris" and not r.rejected and [n.kind for n in r.notes] == ["answers", "irrelevant"]
+    assert r.input_tokens == sum(c.input_tokens for c in r.calls)  # both calls costed
+    refused = ChainOfNote().run("Who won?", PASSAGES, Scripted(["Passage 1: irrelevant.\nPassage 2:", "unknown"]))
+    assert refused.rejected and refused.text == "unknown" and refused.malformed  # the second note is empty
+
+
+def test_chain_of_note_a_local_model_continues_its_cut_notes_with_the_answer_line(smollm):
+    """A local reader whose notes hit the budget continues its own text from "Answer:"; the answer is that
+    continuation, as the model gives it when asked directly."""
+    from certrag.llm.prompts import CON_PREFIX, chain_of_note_messages
+
+    con = ChainOfNote(max_new_tokens=3)
+    r = con.run("Capital of France?", PASSAGES, smollm)
+    first = r.calls[0]
+    assert first.finish_reason == "length" and "Answer:" not in first.text
+    assert len(r.calls) == 2 and r.answer_call == 1
+    direct = smollm.generate(chain_of_note_messages("Capital of France?", PASSAGES), max_new_tokens=con.answer_tokens,
+                             prefix=f"{CON_PREFIX}{first.text}".rstrip() + "\nAnswer:")
+    assert r.calls[1].text == direct.text
+    assert not r.text.lower().startswith("passage")
+
+
 def test_chain_of_note_counts_unknown_as_rejection():
     llm = Scripted(["Note 1 [IRRELEVANT]: no.\nNote 2 [IRRELEVANT]: no.\nAnswer: unknown"])
     r = ChainOfNote(mode="single").run("Who won?", PASSAGES, llm)
