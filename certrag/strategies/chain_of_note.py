@@ -136,7 +136,8 @@ class ChainOfNote:
 
     mode "single" (default): the paper's method, one generation per question -- the notes on d1..dk in order, each
     seeing the ones before, then the answer (certrag.llm.prompts.chain_of_note_messages; a local model's text is
-    started with the first note's "Passage 1:"). The notes are the model's own: nothing relabels them.
+    started with the first note's "Passage 1:"). The notes are the model's own: nothing relabels them. Notes that end
+    without the answer line (the budget ran out) are followed by a short call that asks for it (_answer_after).
     mode "per_passage": one note per passage, each its own short call (batched on a local model), then the answer
     from the passages not noted irrelevant, each with its note; when every passage is noted irrelevant (or there are
     none) the model is asked once more without them (fallback=True): it answers from what it knows or says
