@@ -171,7 +171,8 @@ class ChainOfNote:
                 # the notes ran out of budget (or the model stopped) before the answer line: the answer is asked for
                 # after the notes as written, never read from the last, cut note
                 g2 = self._answer_after(llm, messages, written, record_lookback)
-                written, calls = f"{written.rstrip()}\nAnswer:{g2.text}", (g, g2)
+                # first_line: a chat backend may write the line whole ("Answer: Paris"); a local model continues it
+                written, calls = f"{written.rstrip()}\nAnswer: {first_line(g2.text)}", (g, g2)
             notes, answer, malformed = parse_chain_of_note(written, len(passages))
             rejected = is_unknown(answer)
             malformed |= not answer.strip()
