@@ -168,6 +168,14 @@ def chain_of_note_messages(question: str, passages: list[Passage], qtype: str = 
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
+def answer_line_messages(messages: list[dict], notes: str) -> list[dict]:
+    """Chain-of-Note for a chat backend whose notes ended without the answer line: its notes given back as its turn,
+    and the line asked for."""
+    ask = ("Now write only the final line: 'Answer:' followed by the answer alone, as a short phrase, or "
+           "'Answer: unknown' if no passage is relevant and you do not know the answer.")
+    return [*messages, {"role": "assistant", "content": notes}, {"role": "user", "content": ask}]
+
+
 def note_messages(question: str, passage: Passage) -> list[dict]:
     """Chain-of-Note, one passage at a time: a one-line reading note that starts with its kind."""
     user = (f"{format_passages([passage])}\n\n{REMINDER}\nQuestion: {question}\n\n"

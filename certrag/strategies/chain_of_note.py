@@ -9,8 +9,8 @@ import unicodedata
 from dataclasses import dataclass
 from typing import Sequence
 
-from certrag.llm.prompts import (CON_PREFIX, Passage, chain_of_note_messages, closed_book_messages, note_messages,
-                                 noted_answer_messages)
+from certrag.llm.prompts import (CON_PREFIX, Passage, answer_line_messages, chain_of_note_messages,
+                                 closed_book_messages, note_messages, noted_answer_messages)
 from certrag.protocols import TokenLLM
 from certrag.strategies.base import (LLM, UNKNOWN, Note, Selection, StrategyResult, first_line, generate,
                                      generate_all, is_unknown)
@@ -68,10 +68,6 @@ def parse_chain_of_note(output: str, n_passages: int) -> tuple[tuple[Note, ...],
 def has_answer_line(output: str) -> bool:
     """Whether a Chain-of-Note generation wrote its answer line ("Answer: ..."), as parse_chain_of_note reads it."""
     return any(_ANSWER.match(line) for line in output.splitlines())
-
-
-ANSWER_LINE_REQUEST = ("Now write only the final line: 'Answer:' followed by the answer alone, as a short phrase, or "
-                       "'Answer: unknown' if no passage is relevant and you do not know the answer.")
 
 
 _NOTE_KIND = re.compile(r"^[\s*#>-]*(?:reading\s+)?(?:note\s*\d*\s*)?[\[(]?\s*(answers?|context|irrelevant)\b"
@@ -214,9 +210,8 @@ class ChainOfNote:
         if isinstance(llm, TokenLLM):
             return generate(llm, messages, max_new_tokens=self.answer_tokens, record_lookback=record_lookback,
                             prefix=f"{written.rstrip()}\nAnswer:")
-        follow = [*messages, {"role": "assistant", "content": written},
-                  {"role": "user", "content": ANSWER_LINE_REQUEST}]
-        return generate(llm, follow, max_new_tokens=self.answer_tokens, record_lookback=record_lookback)
+        return generate(llm, answer_line_messages(messages, written), max_new_tokens=self.answer_tokens,
+                        record_lookback=record_lookback)
 
     def with_max_new_tokens(self, n: int) -> "ChainOfNote":
         """n is the budget of each note (per passage in "single" mode)."""
