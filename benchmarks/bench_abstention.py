@@ -32,6 +32,16 @@ def main() -> None:
                    help="also answer this many train and test questions both ways with the reader (confidence=True) "
                    "and measure a flag that adds the answer's P(correct) to the retrieval score (slow: about "
                    "4 x answers generations)")
+    p.add_argument("--engine-answers", type=int, default=0,
+                   help="also answer this many test questions both ways as a user's call does "
+                   "(engine.answer(certify=True), the default reader and strategy) and report how often the answer is "
+                   "rejected: the retrieval flag, or the reader saying unknown (about 1.4 x this many generations)")
+    p.add_argument("--unknown-probe", default="",
+                   help="TRAIN,TEST: also read the reader's probability that its answer starts with 'unknown' "
+                   "(one prefill, the default selection's passages) for this many train and test questions both ways, "
+                   "and measure a flag that adds it to the best retrieval score")
+    p.add_argument("--probe-prompt", choices=("plain", "strict"), default="plain",
+                   help="the probe's prompt: the plain strategy's, or one that allows only the passages' facts")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     _common.pin_threads(2)
@@ -78,10 +88,13 @@ def main() -> None:
     on, off = np.array(best_on), np.array(best_off)
     richer = richer_flag(engine, reranker, judge, both_ways, pairs, args, suffix)
     with_answer = answer_flag(engine, reranker, both_ways, items, pairs, args, suffix) if args.answers else None
+    end_to_end = engine_rejections(engine, reranker, items, pairs, args, suffix) if args.engine_answers else None
+    probe = unknown_flag(engine, reranker, both_ways, items, pairs, args, suffix) if args.unknown_probe else None
     sweep = [{"threshold": float(t), "answerable_flagged": float((on < t).mean()),
               "offtopic_flagged": float((off < t).mean())} for t in (8.0, 9.0, 10.0, cal.s_thres, 11.0, 12.0, 13.0)]
     row = {"reranker": reranker.name, "questions": len(items), "offtopic_questions": len(offtopic),
-           "threshold": cal.s_thres, "richer_flag": richer, "answer_flag": with_answer,
+           "threshold": cal.s_thres, "richer_flag": richer, "answer_flag": with_answer, "end_to_end": end_to_end,
+           "unknown_probe": probe,
            "alpha": cal.alpha, "answerable_flagged": float(np.mean(answerable)),
            "offtopic_flagged": float(np.mean(offtopic)),
            "best_score_median": {"answerable": float(np.median(best_on)), "offtopic": float(np.median(best_off))},
@@ -134,6 +147,36 @@ def main() -> None:
                f"\nShare of answers containing a reference answer: answerable {with_answer['correct_on']:.2f}, "
                f"off-topic {with_answer['correct_off']:.2f} (test); seconds per answer "
                f"{with_answer['seconds_per_answer']:.2f}."]
+    if end_to_end:
+        e = end_to_end
+        md += ["\nWhat a user's call says: the first "
+               f"{e['questions']} test questions that have an off-topic version, each answered both ways by "
+               f"`engine.answer(question, certify=True)` ({e['reader']}, strategy plain, the shipped calibration). "
+               "Rejected: the answer is \"unknown\" -- either no candidate is trusted (no LLM call) or the reader, "
+               "given the trusted candidates, says it cannot answer. 95% intervals: bootstrap over questions.\n",
+               _common.markdown_table(
+                   ["questions", "rejected", "by the retrieval flag", "by the reader", "target", "met",
+                    "answer holds a reference answer"],
+                   [[f"{way} ({e['questions']})", f"{e[way]['rejected']:.1%} [{e[way]['ci'][0]:.1%}, "
+                     f"{e[way]['ci'][1]:.1%}]", f"{e[way]['by_retrieval']:.1%}", f"{e[way]['by_reader']:.1%}",
+                     target, "yes" if ok else "**no**", f"{e[way]['correct']:.2f}"]
+                    for way, target, ok in (("answerable", "<= 10%", e["answerable"]["rejected"] <= 0.1),
+                                            ("off-topic", ">= 80%", e["off-topic"]["rejected"] >= 0.8))]),
+               f"\nSeconds per LLM answer (median): {e['seconds_per_answer']:.2f}."]
+    if probe:
+        md += ["\nDoes the reader know when the passages do not hold the answer? Its probability that the answer "
+               f"starts with \"unknown\" ({probe['reader']}, one prefill over the default selection's passages, the "
+               f"{'plain strategy' if probe['prompt'] == 'plain' else 'passages-only'} prompt), read on the first "
+               f"{probe['train_questions']} train and {probe['test_questions']} test questions that have both "
+               "versions; a logistic regression over (best fused score, log P(unknown)) fitted on the train ones, its "
+               "threshold where it flags 10% of their answerable ones; beside it the rule `calibrated retrieval flag "
+               "or P(unknown) above c`, c chosen on train the same way. Measured on test; not shipped:\n",
+               _common.markdown_table(["flag (threshold from train)", "answerable flagged (test)",
+                                       "off-topic flagged (test)", "AUROC (test)"],
+                                      [[r["flag"], f"{r['answerable_flagged']:.1%}", f"{r['offtopic_flagged']:.1%}",
+                                        f"{r['auroc']:.3f}" if r["auroc"] is not None else "-"]
+                                       for r in probe["flags"]]),
+               f"\nP(unknown) alone, test AUROC (answerable against off-topic): {probe['auroc_alone']:.3f}."]
     name = f"bench_abstention{suffix}"
     _common.update_results_md(name, "\n".join(md) + "\n" + _common.footer(meta))
     print("\n".join(md))
@@ -263,6 +306,135 @@ def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffi
             "correct_on": float(np.mean([answer_in_text(x[2][0], x[2][2]) for x in te])),
             "correct_off": float(np.mean([answer_in_text(x[2][1], x[2][2]) for x in te])),
             "seconds_per_answer": float(np.median(spent)) if spent else float("nan")}
+
+
+def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) -> dict:
+    """Answers the first args.engine_answers test questions that have an off-topic version both ways, as a user's
+    call does (engine.answer(certify=True): the trusted candidates, or "unknown" without an LLM call when none is
+    trusted), cached in benchmarks/data by question and way; the share rejected each way, split by cause."""
+    import json
+    import time
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from certrag.atomic import write_file_atomic
+    from certrag.eval.metrics import answer_in_text
+
+    cache_path = _common.DATA_DIR / f"abstention_engine_answers{suffix}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    key_of = {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
+              "selection": repr(engine.config.selection), "threshold": engine.calibration.s_thres}
+    if cache.get("key") != key_of:
+        cache = {"key": key_of, "answers": {}}
+
+    def answered(question, r, way):
+        k = f"{way}\t{question}"
+        if k not in cache["answers"]:
+            t0 = time.perf_counter()
+            a = engine.answer(question, retrieval=r, certify=True)
+            cache["answers"][k] = {"text": a.text, "rejected": a.rejected, "llm_calls": a.trace.get("llm_calls", 0),
+                                   "seconds": time.perf_counter() - t0}
+            if len(cache["answers"]) % 40 == 0:
+                write_file_atomic(cache_path, json.dumps(cache).encode())
+        return cache["answers"][k]
+
+    chosen = [(it, r, w) for it, (r, w) in zip(test_items, test_pairs) if w is not None and len(w.rerank_scores)]
+    out, spent = {"answerable": [], "off-topic": []}, []
+    for it, r, w in tqdm(chosen[: args.engine_answers], desc="engine answers"):
+        for way, ret in (("answerable", r), ("off-topic", w)):
+            a = answered(it.question, ret, way)
+            out[way].append((a["rejected"], a["llm_calls"] == 0, answer_in_text(a["text"], it.answers)))
+            if a["llm_calls"]:
+                spent.append(a["seconds"])
+    write_file_atomic(cache_path, json.dumps(cache).encode())
+    summary = {"questions": len(out["answerable"]), "reader": engine.llm.name,
+               "seconds_per_answer": float(np.median(spent)) if spent else float("nan")}
+    for way, rows in out.items():
+        rej = np.array([x[0] for x in rows])
+        by_retrieval = np.array([x[0] and x[1] for x in rows])
+        summary[way] = {"rejected": float(rej.mean()), "ci": list(_common.bootstrap(rej.astype(float))),
+                        "by_retrieval": float(by_retrieval.mean()),
+                        "by_reader": float((rej & ~by_retrieval).mean()),
+                        "correct": float(np.mean([x[2] and not x[0] for x in rows]))}
+    return summary
+
+
+STRICT_OPTION = "Answer only from the passages. If the passages do not give the answer, reply: unknown"
+
+
+def unknown_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffix) -> dict:
+    """The reader's P(first answer token is "unknown") after the plain prompt over the default selection's passages
+    (or the passages-only prompt), for the first TRAIN / TEST questions with an off-topic version, both ways (cached
+    in benchmarks/data by question, way, prompt and reader); flags adding it to the best score, fitted on train."""
+    import json
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from certrag.atomic import write_file_atomic
+    from certrag.certify.calibration import load_calibration_items
+    from certrag.llm import prompts
+    from certrag.select import cut
+    from certrag.train.factuality import auroc
+
+    from _nq import cached_retrievals
+
+    n_train, n_test = (int(x) for x in args.unknown_probe.split(","))
+    llm, selector = engine.llm, engine.config.selection.make()
+    tok = llm.tokenizer
+    ids = sorted({tok(w, add_special_tokens=False)["input_ids"][0] for w in ("unknown", "Unknown", " unknown", "UNKNOWN")})
+    cache_path = _common.DATA_DIR / f"abstention_unknown_probe{suffix}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    key_of = {"reader": llm.name, "reranker": reranker.name, "store": len(engine), "token_ids": ids,
+              "selection": repr(engine.config.selection)}
+    if cache.get("key") != key_of:
+        cache = {"key": key_of, "probes": {}}
+
+    def prompt(question, r):
+        n = cut(selector, r.rerank_scores, "logit")
+        messages = prompts.plain_messages(question, [prompts.Passage(text=r.texts[i], chunk_id=int(r.chunk_ids[i]))
+                                                     for i in range(n)])
+        if args.probe_prompt == "strict":
+            messages[-1]["content"] = messages[-1]["content"].replace(prompts.UNKNOWN_OPTION, STRICT_OPTION)
+        return llm.prompt_ids(messages)
+
+    def rows(items, pairs, n, desc):
+        chosen = [(it, r, w) for it, (r, w) in zip(items, pairs) if w is not None and len(w.rerank_scores)][:n]
+        todo = [(f"{args.probe_prompt}\t{way}\t{it.question}", it.question, ret) for it, r, w in chosen
+                for way, ret in (("on", r), ("off", w))]
+        todo = [t for t in todo if t[0] not in cache["probes"]]
+        for i in tqdm(range(0, len(todo), 16), desc=desc):
+            batch = todo[i: i + 16]
+            p = llm.next_token_probs([prompt(q, ret) for _, q, ret in batch], ids).sum(1)
+            cache["probes"].update({k: float(v) for (k, _, _), v in zip(batch, p)})
+            write_file_atomic(cache_path, json.dumps(cache).encode())
+
+        def x(question, r, way):
+            return [float(np.max(r.rerank_scores)),
+                    float(np.log(max(cache["probes"][f"{args.probe_prompt}\t{way}\t{question}"], 1e-9)))]
+        return (np.array([x(it.question, r, "on") for it, r, _ in chosen]),
+                np.array([x(it.question, w, "off") for it, _, w in chosen]))
+
+    train = load_calibration_items("nq-open:train")
+    train_results = cached_retrievals(engine, reranker, [it.question for it in train], args.candidates,
+                                      f"train_candidates{suffix}.json")
+    tr_on, tr_off = rows(train, [both_ways(it, r) for it, r in zip(train, train_results)], n_train, "train probes")
+    te_on, te_off = rows(test_items, test_pairs, n_test, "test probes")
+    flags = fitted_flags("best fused score + reader's log P(unknown), logistic regression", (tr_on, tr_off),
+                         (te_on, te_off))
+    y = np.r_[np.ones(len(te_on)), np.zeros(len(te_off))]
+    s_thres = engine.calibration.s_thres
+    base = tr_on[:, 0] < s_thres
+    # the smallest c whose `or` rule flags at most 10% of train's answerable questions
+    cs = [c for c in np.unique(tr_on[:, 1]) if np.mean(base | (tr_on[:, 1] > c)) <= 0.10]
+    c = float(min(cs)) if cs else 0.0
+    flags.append({"flag": f"calibrated retrieval flag or P(unknown) > {np.exp(c):.3f}", "train_threshold": c,
+                  "answerable_flagged": float(np.mean((te_on[:, 0] < s_thres) | (te_on[:, 1] > c))),
+                  "offtopic_flagged": float(np.mean((te_off[:, 0] < s_thres) | (te_off[:, 1] > c))), "auroc": None})
+    return {"reader": llm.name, "prompt": args.probe_prompt, "train_questions": len(tr_on),
+            "auroc_alone": auroc(y, -np.r_[te_on[:, 1], te_off[:, 1]]),
+            "test_questions": len(te_on), "flags": flags}
 
 
 if __name__ == "__main__":
