@@ -36,7 +36,7 @@ def main() -> None:
                    help="also answer this many test questions both ways as a user's call does "
                    "(engine.answer(certify=True), the default reader and strategy) and report how often the answer is "
                    "rejected: the retrieval flag, or the reader saying unknown (about 1.4 x this many generations)")
-    p.add_argument("--unknown-probe", default="",
+    p.add_argument("--unknown-probe", type=train_test_counts, default=None, metavar="TRAIN,TEST",
                    help="TRAIN,TEST: also read the reader's probability that its answer starts with 'unknown' "
                    "(one prefill, the default selection's passages) for this many train and test questions both ways, "
                    "and measure a flag that adds it to the best retrieval score")
@@ -182,6 +182,22 @@ def main() -> None:
     print("\n".join(md))
 
 
+def both_versions(items, pairs) -> list[tuple]:
+    """(item, retrieval as it is, retrieval without its correct candidates) for the questions that have both."""
+    return [(it, r, w) for it, (r, w) in zip(items, pairs) if w is not None and len(w.rerank_scores)]
+
+
+def train_test_counts(text: str) -> tuple[int, int]:
+    """--unknown-probe's TRAIN,TEST."""
+    try:
+        n_train, n_test = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--unknown-probe takes TRAIN,TEST (two counts); got {text!r}") from None
+    if n_train < 1 or n_test < 1:
+        raise argparse.ArgumentTypeError(f"--unknown-probe's counts must be positive; got {text!r}")
+    return n_train, n_test
+
+
 def features(r) -> list[float]:
     """Five numbers from a retrieval's candidate scores."""
     import numpy as np
@@ -276,7 +292,7 @@ def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffi
 
     def rows(items, pairs, desc):
         out = []
-        chosen = [(it, r, w) for it, (r, w) in zip(items, pairs) if w is not None and len(w.rerank_scores)]
+        chosen = both_versions(items, pairs)
         for it, r, w in tqdm(chosen[: args.answers], desc=desc):
             a_on, a_off = answered(it.question, r, "on"), answered(it.question, w, "off")
             out.append(((float(np.max(r.rerank_scores)), a_on["p_correct"]),
@@ -339,7 +355,7 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
                 write_file_atomic(cache_path, json.dumps(cache).encode())
         return cache["answers"][k]
 
-    chosen = [(it, r, w) for it, (r, w) in zip(test_items, test_pairs) if w is not None and len(w.rerank_scores)]
+    chosen = both_versions(test_items, test_pairs)
     out, spent = {"answerable": [], "off-topic": []}, []
     for it, r, w in tqdm(chosen[: args.engine_answers], desc="engine answers"):
         for way, ret in (("answerable", r), ("off-topic", w)):
@@ -380,7 +396,7 @@ def unknown_flag(engine, reranker, both_ways, test_items, test_pairs, args, suff
 
     from _nq import cached_retrievals
 
-    n_train, n_test = (int(x) for x in args.unknown_probe.split(","))
+    n_train, n_test = args.unknown_probe
     llm, selector = engine.llm, engine.config.selection.make()
     tok = llm.tokenizer
     ids = sorted({tok(w, add_special_tokens=False)["input_ids"][0] for w in ("unknown", "Unknown", " unknown", "UNKNOWN")})
@@ -400,7 +416,7 @@ def unknown_flag(engine, reranker, both_ways, test_items, test_pairs, args, suff
         return llm.prompt_ids(messages)
 
     def rows(items, pairs, n, desc):
-        chosen = [(it, r, w) for it, (r, w) in zip(items, pairs) if w is not None and len(w.rerank_scores)][:n]
+        chosen = both_versions(items, pairs)[:n]
         todo = [(f"{args.probe_prompt}\t{way}\t{it.question}", it.question, ret) for it, r, w in chosen
                 for way, ret in (("on", r), ("off", w))]
         todo = [t for t in todo if t[0] not in cache["probes"]]
