@@ -127,10 +127,7 @@ def main() -> None:
           "answer-removed versions of 1,041 questions), its threshold set where it flags 10% of train's answerable "
           "questions; beside it the best score alone at the same train operating point. Measured on test; not "
           "shipped:\n",
-          _common.markdown_table(["flag (threshold from train)", "answerable flagged (test)", "off-topic flagged (test)",
-                                  "AUROC (test)"],
-                                 [[r["flag"], f"{r['answerable_flagged']:.1%}", f"{r['offtopic_flagged']:.1%}",
-                                   f"{r['auroc']:.3f}"] for r in richer])]
+          flag_table(richer)]
     if with_answer:
         md += ["\nCould the answer itself add to the flag? The reader answers each question twice (the store as it "
                "is, and without its answering passages) with `confidence=True`, on the first "
@@ -139,11 +136,7 @@ def main() -> None:
                "classifier) is fitted on those train answers, its threshold where it flags 10% of their answerable "
                "ones; beside it the rule `retrieval flag (calibrated threshold) or P(correct) below c`, c chosen on "
                "train the same way, and the best score alone on the same questions. Measured on test; not shipped:\n",
-               _common.markdown_table(["flag (threshold from train)", "answerable flagged (test)",
-                                       "off-topic flagged (test)", "AUROC (test)"],
-                                      [[r["flag"], f"{r['answerable_flagged']:.1%}", f"{r['offtopic_flagged']:.1%}",
-                                        f"{r['auroc']:.3f}" if r["auroc"] is not None else "-"]
-                                       for r in with_answer["flags"]]),
+               flag_table(with_answer["flags"]),
                f"\nShare of answers containing a reference answer: answerable {with_answer['correct_on']:.2f}, "
                f"off-topic {with_answer['correct_off']:.2f} (test); seconds per answer "
                f"{with_answer['seconds_per_answer']:.2f}."]
@@ -171,15 +164,19 @@ def main() -> None:
                "versions; a logistic regression over (best fused score, log P(unknown)) fitted on the train ones, its "
                "threshold where it flags 10% of their answerable ones; beside it the rule `calibrated retrieval flag "
                "or P(unknown) above c`, c chosen on train the same way. Measured on test; not shipped:\n",
-               _common.markdown_table(["flag (threshold from train)", "answerable flagged (test)",
-                                       "off-topic flagged (test)", "AUROC (test)"],
-                                      [[r["flag"], f"{r['answerable_flagged']:.1%}", f"{r['offtopic_flagged']:.1%}",
-                                        f"{r['auroc']:.3f}" if r["auroc"] is not None else "-"]
-                                       for r in probe["flags"]]),
+               flag_table(probe["flags"]),
                f"\nP(unknown) alone, test AUROC (answerable against off-topic): {probe['auroc_alone']:.3f}."]
     name = f"bench_abstention{suffix}"
     _common.update_results_md(name, "\n".join(md) + "\n" + _common.footer(meta))
     print("\n".join(md))
+
+
+def flag_table(flags: list[dict]) -> str:
+    """Flags measured on test (fitted_flags' rows) as a markdown table."""
+    return _common.markdown_table(
+        ["flag (threshold from train)", "answerable flagged (test)", "off-topic flagged (test)", "AUROC (test)"],
+        [[r["flag"], f"{r['answerable_flagged']:.1%}", f"{r['offtopic_flagged']:.1%}",
+          f"{r['auroc']:.3f}" if r["auroc"] is not None else "-"] for r in flags])
 
 
 def both_versions(items, pairs) -> list[tuple]:
