@@ -86,10 +86,16 @@ def main() -> None:
             best_off.append(float(np.max(without.rerank_scores)))
         best_on.append(float(np.max(r.rerank_scores)))
     on, off = np.array(best_on), np.array(best_off)
-    richer = richer_flag(engine, reranker, judge, both_ways, pairs, args, suffix)
-    with_answer = answer_flag(engine, reranker, both_ways, items, pairs, args, suffix) if args.answers else None
+    train = load_calibration_items("nq-open:train")
+    train_results = cached_retrievals(engine, reranker, [it.question for it in train], args.candidates,
+                                      f"train_candidates{suffix}.json")
+    train_pairs = [both_ways(it, r) for it, r in zip(train, train_results)]
+    richer = richer_flag(train_pairs, pairs)
+    with_answer = (answer_flag(engine, reranker, (train, train_pairs), items, pairs, args, suffix) if args.answers
+                   else None)
     end_to_end = engine_rejections(engine, reranker, items, pairs, args, suffix) if args.engine_answers else None
-    probe = unknown_flag(engine, reranker, both_ways, items, pairs, args, suffix) if args.unknown_probe else None
+    probe = (unknown_flag(engine, reranker, (train, train_pairs), items, pairs, args, suffix) if args.unknown_probe
+             else None)
     sweep = [{"threshold": float(t), "answerable_flagged": float((on < t).mean()),
               "offtopic_flagged": float((off < t).mean())} for t in (8.0, 9.0, 10.0, cal.s_thres, 11.0, 12.0, 13.0)]
     row = {"reranker": reranker.name, "questions": len(items), "offtopic_questions": len(offtopic),
@@ -171,6 +177,28 @@ def main() -> None:
     print("\n".join(md))
 
 
+def or_rule_threshold(s_thres: float, best, doubt) -> float:
+    """The smallest c (among train's values) whose rule `best < s_thres or doubt > c` flags at most 10% of train's
+    answerable questions (best: their best scores; doubt: a signal that grows as the answer looks unsupported);
+    0.0 when none does."""
+    import numpy as np
+
+    cs = [c for c in np.unique(doubt) if np.mean((best < s_thres) | (doubt > c)) <= 0.10]
+    return float(min(cs)) if cs else 0.0
+
+
+def or_rule(flag: str, train_threshold: float, s_thres: float, on: tuple, off: tuple, c: float) -> dict:
+    """The rule `best < s_thres or doubt > c` on test: on / off are (best scores, doubts) of the answerable and
+    off-topic questions."""
+    import numpy as np
+
+    def rate(best, doubt):
+        return float(np.mean((best < s_thres) | (doubt > c)))
+
+    return {"flag": flag, "train_threshold": train_threshold, "answerable_flagged": rate(*on),
+            "offtopic_flagged": rate(*off), "auroc": None}
+
+
 def flag_table(flags: list[dict]) -> str:
     """Flags measured on test (fitted_flags' rows) as a markdown table."""
     return _common.markdown_table(
@@ -204,25 +232,16 @@ def features(r) -> list[float]:
     return [s[0], s[0] - (s[1] if len(s) > 1 else s[0]), float(s[:3].mean()), d[0], s[0] - float(np.median(s))]
 
 
-def richer_flag(engine, reranker, judge, both_ways, test_pairs, args, suffix) -> list[dict]:
+def richer_flag(train_pairs, test_pairs) -> list[dict]:
     """The feature flag fitted on train, and the best score alone at the same train operating point, on test."""
     import numpy as np
-
-    from certrag.certify.calibration import load_calibration_items
-
-    from _nq import cached_retrievals
-
-    train = load_calibration_items("nq-open:train")
-    train_results = cached_retrievals(engine, reranker, [it.question for it in train], args.candidates,
-                                      f"train_candidates{suffix}.json")
 
     def matrix(pairs):
         on = [features(r) for r, _ in pairs]
         off = [features(w) for _, w in pairs if w is not None and len(w.rerank_scores) >= 3]
         return np.array(on), np.array(off)
 
-    tr_on, tr_off = matrix([both_ways(it, r) for it, r in zip(train, train_results)])
-    return fitted_flags("five retrieval features, logistic regression", (tr_on, tr_off), matrix(test_pairs))
+    return fitted_flags("five retrieval features, logistic regression", matrix(train_pairs), matrix(test_pairs))
 
 
 def fitted_flags(name: str, train: tuple, test: tuple) -> list[dict]:
@@ -250,7 +269,7 @@ def fitted_flags(name: str, train: tuple, test: tuple) -> list[dict]:
     return out
 
 
-def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffix) -> dict:
+def answer_flag(engine, reranker, train, test_items, test_pairs, args, suffix) -> dict:
     """Answers the first args.answers train and test questions (those with an off-topic version) both ways with
     confidence=True (cached in benchmarks/data by question, store way and reader), and measures flags that add the
     answer's P(correct) to the best retrieval score; thresholds from train, rates on test."""
@@ -262,11 +281,8 @@ def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffi
     from tqdm.auto import tqdm
 
     from certrag.atomic import write_file_atomic
-    from certrag.certify.calibration import load_calibration_items
     from certrag.eval.metrics import answer_in_text
     from certrag.select import cut
-
-    from _nq import cached_retrievals
 
     cache_path = _common.DATA_DIR / f"abstention_answers{suffix}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
@@ -298,23 +314,15 @@ def answer_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffi
         write_file_atomic(cache_path, json.dumps(cache).encode())
         return out
 
-    train = load_calibration_items("nq-open:train")
-    train_results = cached_retrievals(engine, reranker, [it.question for it in train], args.candidates,
-                                      f"train_candidates{suffix}.json")
-    tr = rows(train, [both_ways(it, r) for it, r in zip(train, train_results)], "train answers")
+    tr = rows(*train, "train answers")
     te = rows(test_items, test_pairs, "test answers")
     tr_on, tr_off = np.array([x[0] for x in tr]), np.array([x[1] for x in tr])
     te_on, te_off = np.array([x[0] for x in te]), np.array([x[1] for x in te])
     flags = fitted_flags("best fused score + answer P(correct), logistic regression", (tr_on, tr_off),
                          (te_on, te_off))
-    s_thres = engine.calibration.s_thres
-    base = tr_on[:, 0] < s_thres
-    # the largest c whose `or` rule flags at most 10% of train's answerable questions
-    cs = [c for c in np.unique(tr_on[:, 1]) if np.mean(base | (tr_on[:, 1] < c)) <= 0.10]
-    c = float(max(cs)) if cs else 0.0
-    flags.append({"flag": f"calibrated retrieval flag or P(correct) < {c:.3f}", "train_threshold": c,
-                  "answerable_flagged": float(np.mean((te_on[:, 0] < s_thres) | (te_on[:, 1] < c))),
-                  "offtopic_flagged": float(np.mean((te_off[:, 0] < s_thres) | (te_off[:, 1] < c))), "auroc": None})
+    c = or_rule_threshold(engine.calibration.s_thres, tr_on[:, 0], -tr_on[:, 1])
+    flags.append(or_rule(f"calibrated retrieval flag or P(correct) < {0.0 - c:.3f}", 0.0 - c,
+                         engine.calibration.s_thres, (te_on[:, 0], -te_on[:, 1]), (te_off[:, 0], -te_off[:, 1]), c))
     return {"train_questions": len(tr), "test_questions": len(te), "flags": flags,
             "correct_on": float(np.mean([answer_in_text(x[2][0], x[2][2]) for x in te])),
             "correct_off": float(np.mean([answer_in_text(x[2][1], x[2][2]) for x in te])),
@@ -376,7 +384,7 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
 STRICT_OPTION = "Answer only from the passages. If the passages do not give the answer, reply: unknown"
 
 
-def unknown_flag(engine, reranker, both_ways, test_items, test_pairs, args, suffix) -> dict:
+def unknown_flag(engine, reranker, train, test_items, test_pairs, args, suffix) -> dict:
     """The reader's P(first answer token is "unknown") after the plain prompt over the default selection's passages
     (or the passages-only prompt), for the first TRAIN / TEST questions with an off-topic version, both ways (cached
     in benchmarks/data by question, way, prompt and reader); flags adding it to the best score, fitted on train."""
@@ -386,17 +394,15 @@ def unknown_flag(engine, reranker, both_ways, test_items, test_pairs, args, suff
     from tqdm.auto import tqdm
 
     from certrag.atomic import write_file_atomic
-    from certrag.certify.calibration import load_calibration_items
     from certrag.llm import prompts
     from certrag.select import cut
     from certrag.train.factuality import auroc
 
-    from _nq import cached_retrievals
-
     n_train, n_test = args.unknown_probe
     llm, selector = engine.llm, engine.config.selection.make()
     tok = llm.tokenizer
-    ids = sorted({tok(w, add_special_tokens=False)["input_ids"][0] for w in ("unknown", "Unknown", " unknown", "UNKNOWN")})
+    ids = sorted({tok(w, add_special_tokens=False)["input_ids"][0]
+                  for w in ("unknown", "Unknown", " unknown", "UNKNOWN")})
     cache_path = _common.DATA_DIR / f"abstention_unknown_probe{suffix}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     key_of = {"reader": llm.name, "reranker": reranker.name, "store": len(engine), "token_ids": ids,
@@ -429,22 +435,14 @@ def unknown_flag(engine, reranker, both_ways, test_items, test_pairs, args, suff
         return (np.array([x(it.question, r, "on") for it, r, _ in chosen]),
                 np.array([x(it.question, w, "off") for it, _, w in chosen]))
 
-    train = load_calibration_items("nq-open:train")
-    train_results = cached_retrievals(engine, reranker, [it.question for it in train], args.candidates,
-                                      f"train_candidates{suffix}.json")
-    tr_on, tr_off = rows(train, [both_ways(it, r) for it, r in zip(train, train_results)], n_train, "train probes")
+    tr_on, tr_off = rows(*train, n_train, "train probes")
     te_on, te_off = rows(test_items, test_pairs, n_test, "test probes")
     flags = fitted_flags("best fused score + reader's log P(unknown), logistic regression", (tr_on, tr_off),
                          (te_on, te_off))
     y = np.r_[np.ones(len(te_on)), np.zeros(len(te_off))]
-    s_thres = engine.calibration.s_thres
-    base = tr_on[:, 0] < s_thres
-    # the smallest c whose `or` rule flags at most 10% of train's answerable questions
-    cs = [c for c in np.unique(tr_on[:, 1]) if np.mean(base | (tr_on[:, 1] > c)) <= 0.10]
-    c = float(min(cs)) if cs else 0.0
-    flags.append({"flag": f"calibrated retrieval flag or P(unknown) > {np.exp(c):.3f}", "train_threshold": c,
-                  "answerable_flagged": float(np.mean((te_on[:, 0] < s_thres) | (te_on[:, 1] > c))),
-                  "offtopic_flagged": float(np.mean((te_off[:, 0] < s_thres) | (te_off[:, 1] > c))), "auroc": None})
+    c = or_rule_threshold(engine.calibration.s_thres, tr_on[:, 0], tr_on[:, 1])
+    flags.append(or_rule(f"calibrated retrieval flag or P(unknown) > {np.exp(c):.3f}", c, engine.calibration.s_thres,
+                         (te_on[:, 0], te_on[:, 1]), (te_off[:, 0], te_off[:, 1]), c))
     return {"reader": llm.name, "prompt": args.probe_prompt, "train_questions": len(tr_on),
             "auroc_alone": auroc(y, -np.r_[te_on[:, 1], te_off[:, 1]]),
             "test_questions": len(te_on), "flags": flags}
