@@ -42,11 +42,15 @@ def main() -> None:
                    "and measure a flag that adds it to the best retrieval score")
     p.add_argument("--probe-prompt", choices=("plain", "strict"), default="plain",
                    help="the probe's prompt: the plain strategy's, or one that allows only the passages' facts")
+    p.add_argument("--presence-judge", type=train_test_counts, default=None, metavar="CAL,TEST",
+                   help="CAL,TEST: also ask a reader whether the best candidate states the answer (its log-odds of "
+                   "'yes' against 'no', one prefill) for this many calibration and test questions both ways, and "
+                   "measure a flag that adds it to the best retrieval score, fitted on the calibration split")
+    p.add_argument("--judge-model", default="qwen2.5-coder-1.5b-instruct",
+                   help="--presence-judge's reader (q8 weights, one thread)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
     _common.pin_threads(2)
-
-    import dataclasses
 
     import numpy as np
 
@@ -67,18 +71,8 @@ def main() -> None:
     judge = ChunkJudge(answer_threshold=cal.answer_threshold, source_threshold=cal.source_threshold,
                        span_tokens=cal.span_tokens)
 
-    def both_ways(item, r):
-        """(the retrieval as it is, the retrieval without its correct candidates or None)."""
-        keep = ~judge.correct(item, r.doc_ids, r.texts)
-        if not keep.any():
-            return r, None
-        return r, dataclasses.replace(r, chunk_ids=r.chunk_ids[keep], doc_ids=tuple(np.array(r.doc_ids)[keep]),
-                                      texts=tuple(np.array(r.texts, dtype=object)[keep]),
-                                      dense_scores=r.dense_scores[keep], rerank_scores=r.rerank_scores[keep],
-                                      selected=int(keep.sum()))
-
     answerable, offtopic, best_on, best_off = [], [], [], []
-    pairs = [both_ways(item, r) for item, r in zip(items, results)]
+    pairs = [both_ways_of(judge, item, r) for item, r in zip(items, results)]
     for r, without in pairs:
         answerable.append(not engine.support(r)["supported"])
         if without is not None:
@@ -89,7 +83,7 @@ def main() -> None:
     train = load_calibration_items("nq-open:train")
     train_results = cached_retrievals(engine, reranker, [it.question for it in train], args.candidates,
                                       f"train_candidates{suffix}.json")
-    train_pairs = [both_ways(it, r) for it, r in zip(train, train_results)]
+    train_pairs = [both_ways_of(judge, it, r) for it, r in zip(train, train_results)]
     richer = richer_flag(train_pairs, pairs)
     with_answer = (answer_flag(engine, reranker, (train, train_pairs), items, pairs, args, suffix) if args.answers
                    else None)
@@ -98,9 +92,10 @@ def main() -> None:
              else None)
     sweep = [{"threshold": float(t), "answerable_flagged": float((on < t).mean()),
               "offtopic_flagged": float((off < t).mean())} for t in (8.0, 9.0, 10.0, cal.s_thres, 11.0, 12.0, 13.0)]
+    presence = presence_flag(engine, reranker, items, pairs, args, judge) if args.presence_judge else None
     row = {"reranker": reranker.name, "questions": len(items), "offtopic_questions": len(offtopic),
            "threshold": cal.s_thres, "richer_flag": richer, "answer_flag": with_answer, "end_to_end": end_to_end,
-           "unknown_probe": probe,
+           "unknown_probe": probe, "presence_judge": presence,
            "alpha": cal.alpha, "answerable_flagged": float(np.mean(answerable)),
            "offtopic_flagged": float(np.mean(offtopic)),
            "best_score_median": {"answerable": float(np.median(best_on)), "offtopic": float(np.median(best_off))},
@@ -172,6 +167,20 @@ def main() -> None:
                "or P(unknown) above c`, c chosen on train the same way. Measured on test; not shipped:\n",
                flag_table(probe["flags"]),
                f"\nP(unknown) alone, test AUROC (answerable against off-topic): {probe['auroc_alone']:.3f}."]
+    if presence:
+        md += ["\nDoes a reader, asked outright, tell a passage that states the answer from a same-subject one that "
+               f"does not? {presence['reader']} (q8) reads the best candidate and the question and is asked \"Does the "
+               "passage state the answer to the question? Reply with yes or no only.\"; the signal is its log-odds of "
+               f"yes against no (one prefill). On the first {presence['calibration_questions']} calibration and "
+               f"{presence['test_questions']} test questions, both ways; a logistic regression over (best fused score, "
+               "log-odds) is fitted on the calibration ones (the split the shipped certification is made on), its "
+               "threshold where it flags 10% of their answerable ones; beside it the best score alone at the same "
+               "calibration operating point, and the rule `calibrated retrieval flag or log-odds below c`. Measured on "
+               "test; not shipped:\n",
+               flag_table(presence["flags"], "calibration"),
+               f"\nThe log-odds alone, test AUROC (answerable against off-topic): {presence['auroc_alone']:.3f}; "
+               f"seconds per judgment (median of the {presence['judged_now']} made by this run, the rest cached; one "
+               f"thread): {presence['seconds_per_judgment']:.2f}."]
     name = f"bench_abstention{suffix}"
     _common.update_results_md(name, "\n".join(md) + "\n" + _common.footer(meta))
     print("\n".join(md))
@@ -199,12 +208,27 @@ def or_rule(flag: str, train_threshold: float, s_thres: float, on: tuple, off: t
             "offtopic_flagged": rate(*off), "auroc": None}
 
 
-def flag_table(flags: list[dict]) -> str:
+def flag_table(flags: list[dict], fitted_on: str = "train") -> str:
     """Flags measured on test (fitted_flags' rows) as a markdown table."""
     return _common.markdown_table(
-        ["flag (threshold from train)", "answerable flagged (test)", "off-topic flagged (test)", "AUROC (test)"],
+        [f"flag (threshold from {fitted_on})", "answerable flagged (test)", "off-topic flagged (test)", "AUROC (test)"],
         [[r["flag"], f"{r['answerable_flagged']:.1%}", f"{r['offtopic_flagged']:.1%}",
           f"{r['auroc']:.3f}" if r["auroc"] is not None else "-"] for r in flags])
+
+
+def both_ways_of(judge, item, r) -> tuple:
+    """(the retrieval as it is, the retrieval without its correct candidates (judge: a ChunkJudge) or None)."""
+    import dataclasses
+
+    import numpy as np
+
+    keep = ~judge.correct(item, r.doc_ids, r.texts)
+    if not keep.any():
+        return r, None
+    return r, dataclasses.replace(r, chunk_ids=r.chunk_ids[keep], doc_ids=tuple(np.array(r.doc_ids)[keep]),
+                                  texts=tuple(np.array(r.texts, dtype=object)[keep]),
+                                  dense_scores=r.dense_scores[keep], rerank_scores=r.rerank_scores[keep],
+                                  selected=int(keep.sum()))
 
 
 def both_versions(items, pairs) -> list[tuple]:
@@ -213,13 +237,13 @@ def both_versions(items, pairs) -> list[tuple]:
 
 
 def train_test_counts(text: str) -> tuple[int, int]:
-    """--unknown-probe's TRAIN,TEST."""
+    """--unknown-probe's TRAIN,TEST and --presence-judge's CAL,TEST: two positive counts."""
     try:
         n_train, n_test = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--unknown-probe takes TRAIN,TEST (two counts); got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"takes two counts, as 300,300; got {text!r}") from None
     if n_train < 1 or n_test < 1:
-        raise argparse.ArgumentTypeError(f"--unknown-probe's counts must be positive; got {text!r}")
+        raise argparse.ArgumentTypeError(f"both counts must be positive; got {text!r}")
     return n_train, n_test
 
 
@@ -446,6 +470,85 @@ def unknown_flag(engine, reranker, train, test_items, test_pairs, args, suffix) 
     return {"reader": llm.name, "prompt": args.probe_prompt, "train_questions": len(tr_on),
             "auroc_alone": auroc(y, -np.r_[te_on[:, 1], te_off[:, 1]]),
             "test_questions": len(te_on), "flags": flags}
+
+
+PRESENCE_QUESTION = "Does the passage state the answer to the question? Reply with yes or no only."
+
+
+def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict:
+    """A reader's log-odds that the best candidate states the answer ('yes' against 'no' as its first token; one
+    prefill of the passage and the question), for the first CAL / TEST calibration and test questions with an
+    off-topic version, both ways (cached in benchmarks/data by split, way, question and reader); flags adding it to
+    the best score, fitted on the calibration split."""
+    import json
+    import time
+
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from certrag.atomic import write_file_atomic
+    from certrag.certify.calibration import load_calibration_items
+    from certrag.llm.local import LocalLLM
+    from certrag.train.factuality import auroc
+
+    from _nq import cached_retrievals
+
+    n_cal, n_test = args.presence_judge
+    cal_items = load_calibration_items("nq-open:calibration")
+    cal_results = cached_retrievals(engine, reranker, [it.question for it in cal_items], args.candidates,
+                                    "calibration_candidates.json")
+    cal_pairs = [both_ways_of(judge, it, r) for it, r in zip(cal_items, cal_results)]
+    cache_path = _common.DATA_DIR / f"abstention_presence_judge-{args.judge_model}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    key_of = {"reader": args.judge_model, "weights": "q8", "reranker": reranker.name, "store": len(engine),
+              "question": PRESENCE_QUESTION}
+    if cache.get("key") != key_of:
+        cache = {"key": key_of, "judgments": {}}
+    llm, seconds = None, []
+
+    def log_odds(question, r) -> float:
+        nonlocal llm
+        if llm is None:
+            llm = LocalLLM(args.judge_model, weights="q8", num_threads=1)
+            yes_no.extend([sorted({llm.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words})
+                           for words in (("yes", "Yes", " yes", "YES"), ("no", "No", " no", "NO"))])
+        best = int(np.argmax(r.rerank_scores))
+        messages = [{"role": "system", "content": "You check whether a passage answers a question."},
+                    {"role": "user", "content": f"Passage: {r.texts[best]}\n\nQuestion: {question}\n\n"
+                                                f"{PRESENCE_QUESTION}"}]
+        t0 = time.perf_counter()
+        p = llm.next_token_probs([llm.prompt_ids(messages)], yes_no[0] + yes_no[1])[0]
+        seconds.append(time.perf_counter() - t0)
+        n_yes = len(yes_no[0])
+        return float(np.log(p[:n_yes].sum() + 1e-9) - np.log(p[n_yes:].sum() + 1e-9))
+
+    yes_no: list = []
+
+    def rows(split, items, pairs, n):
+        chosen = both_versions(items, pairs)[:n]
+        todo = [(f"{split}\t{way}\t{it.question}", it.question, ret) for it, r, w in chosen
+                for way, ret in (("on", r), ("off", w))]
+        for k, q, ret in tqdm([t for t in todo if t[0] not in cache["judgments"]], desc=f"{split} judgments"):
+            cache["judgments"][k] = log_odds(q, ret)
+            write_file_atomic(cache_path, json.dumps(cache).encode())
+
+        def x(question, r, way):
+            return [float(np.max(r.rerank_scores)), cache["judgments"][f"{split}\t{way}\t{question}"]]
+        return (np.array([x(it.question, r, "on") for it, r, _ in chosen]),
+                np.array([x(it.question, w, "off") for it, _, w in chosen]))
+
+    cal_on, cal_off = rows("calibration", cal_items, cal_pairs, n_cal)
+    te_on, te_off = rows("test", test_items, test_pairs, n_test)
+    flags = fitted_flags("best fused score + the reader's log-odds that the passage states the answer, logistic "
+                         "regression", (cal_on, cal_off), (te_on, te_off))
+    s_thres = engine.calibration.s_thres
+    c = -or_rule_threshold(s_thres, cal_on[:, 0], -cal_on[:, 1])
+    flags.append(or_rule(f"calibrated retrieval flag or log-odds below {c:.2f}", c, s_thres,
+                         (te_on[:, 0], -te_on[:, 1]), (te_off[:, 0], -te_off[:, 1]), -c))
+    y = np.r_[np.ones(len(te_on)), np.zeros(len(te_off))]
+    return {"reader": args.judge_model, "calibration_questions": len(cal_on), "test_questions": len(te_on),
+            "auroc_alone": auroc(y, np.r_[te_on[:, 1], te_off[:, 1]]), "flags": flags,
+            "seconds_per_judgment": float(np.median(seconds)) if seconds else float("nan"), "judged_now": len(seconds)}
 
 
 if __name__ == "__main__":
