@@ -504,7 +504,7 @@ def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict
               "question": PRESENCE_QUESTION}
     if cache.get("key") != key_of:
         cache = {"key": key_of, "judgments": {}}
-    llm, seconds = None, []
+    llm, seconds, yes_no = None, [], []  # the judge is loaded, and its yes / no token ids read, on first need
 
     def log_odds(question, r) -> float:
         nonlocal llm
@@ -521,8 +521,6 @@ def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict
         seconds.append(time.perf_counter() - t0)
         n_yes = len(yes_no[0])
         return float(np.log(p[:n_yes].sum() + 1e-9) - np.log(p[n_yes:].sum() + 1e-9))
-
-    yes_no: list = []
 
     def rows(split, items, pairs, n):
         chosen = both_versions(items, pairs)[:n]
