@@ -293,27 +293,44 @@ def fitted_flags(name: str, train: tuple, test: tuple) -> list[dict]:
     return out
 
 
+def keyed_cache(name: str, key: dict, field: str) -> tuple[Path, dict]:
+    """benchmarks/data/<name> and its JSON when it was made under `key`; else a fresh {"key": key, field: {}}."""
+    import json
+
+    path = _common.DATA_DIR / name
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    return path, (cache if cache.get("key") == key else {"key": key, field: {}})
+
+
+def save_cache(path: Path, cache: dict) -> None:
+    import json
+
+    from certrag.atomic import write_file_atomic
+
+    write_file_atomic(path, json.dumps(cache).encode())
+
+
+def first_token_ids(tokenizer, words: tuple[str, ...]) -> list[int]:
+    """The distinct first token ids of `words` (a label word's spellings)."""
+    return sorted({tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words})
+
+
 def answer_flag(engine, reranker, train, test_items, test_pairs, args, suffix) -> dict:
     """Answers the first args.answers train and test questions (those with an off-topic version) both ways with
     confidence=True (cached in benchmarks/data by question, store way and reader), and measures flags that add the
     answer's P(correct) to the best retrieval score; thresholds from train, rates on test."""
     import dataclasses
-    import json
     import time
 
     import numpy as np
     from tqdm.auto import tqdm
 
-    from certrag.atomic import write_file_atomic
     from certrag.eval.metrics import answer_in_text
     from certrag.select import cut
 
-    cache_path = _common.DATA_DIR / f"abstention_answers{suffix}.json"
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    key_of = {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
-              "selection": repr(engine.config.selection)}
-    if cache.get("key") != key_of:
-        cache = {"key": key_of, "answers": {}}
+    cache_path, cache = keyed_cache(f"abstention_answers{suffix}.json",
+                                    {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
+                                     "selection": repr(engine.config.selection)}, "answers")
     spent, selector = [], engine.config.selection.make()
 
     def answered(question, r, way):
@@ -335,7 +352,7 @@ def answer_flag(engine, reranker, train, test_items, test_pairs, args, suffix) -
             out.append(((float(np.max(r.rerank_scores)), a_on["p_correct"]),
                         (float(np.max(w.rerank_scores)), a_off["p_correct"]),
                         (a_on["text"], a_off["text"], it.answers)))
-        write_file_atomic(cache_path, json.dumps(cache).encode())
+        save_cache(cache_path, cache)
         return out
 
     tr = rows(*train, "train answers")
@@ -357,21 +374,17 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
     """Answers the first args.engine_answers test questions that have an off-topic version both ways, as a user's
     call does (engine.answer(certify=True): the trusted candidates, or "unknown" without an LLM call when none is
     trusted), cached in benchmarks/data by question and way; the share rejected each way, split by cause."""
-    import json
     import time
 
     import numpy as np
     from tqdm.auto import tqdm
 
-    from certrag.atomic import write_file_atomic
     from certrag.eval.metrics import answer_in_text
 
-    cache_path = _common.DATA_DIR / f"abstention_engine_answers{suffix}.json"
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    key_of = {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
-              "selection": repr(engine.config.selection), "threshold": engine.calibration.s_thres}
-    if cache.get("key") != key_of:
-        cache = {"key": key_of, "answers": {}}
+    cache_path, cache = keyed_cache(f"abstention_engine_answers{suffix}.json",
+                                    {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
+                                     "selection": repr(engine.config.selection),
+                                     "threshold": engine.calibration.s_thres}, "answers")
 
     def answered(question, r, way):
         k = f"{way}\t{question}"
@@ -381,7 +394,7 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
             cache["answers"][k] = {"text": a.text, "rejected": a.rejected, "llm_calls": a.trace.get("llm_calls", 0),
                                    "seconds": time.perf_counter() - t0}
             if len(cache["answers"]) % 40 == 0:
-                write_file_atomic(cache_path, json.dumps(cache).encode())
+                save_cache(cache_path, cache)
         return cache["answers"][k]
 
     chosen = both_versions(test_items, test_pairs)
@@ -392,7 +405,7 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
             out[way].append((a["rejected"], a["llm_calls"] == 0, answer_in_text(a["text"], it.answers)))
             if a["llm_calls"]:
                 spent.append(a["seconds"])
-    write_file_atomic(cache_path, json.dumps(cache).encode())
+    save_cache(cache_path, cache)
     summary = {"questions": len(out["answerable"]), "reader": engine.llm.name,
                "seconds_per_answer": float(np.median(spent)) if spent else float("nan")}
     for way, rows in out.items():
@@ -412,27 +425,19 @@ def unknown_flag(engine, reranker, train, test_items, test_pairs, args, suffix) 
     """The reader's P(first answer token is "unknown") after the plain prompt over the default selection's passages
     (or the passages-only prompt), for the first TRAIN / TEST questions with an off-topic version, both ways (cached
     in benchmarks/data by question, way, prompt and reader); flags adding it to the best score, fitted on train."""
-    import json
-
     import numpy as np
     from tqdm.auto import tqdm
 
-    from certrag.atomic import write_file_atomic
     from certrag.llm import prompts
     from certrag.select import cut
     from certrag.train.factuality import auroc
 
     n_train, n_test = args.unknown_probe
     llm, selector = engine.llm, engine.config.selection.make()
-    tok = llm.tokenizer
-    ids = sorted({tok(w, add_special_tokens=False)["input_ids"][0]
-                  for w in ("unknown", "Unknown", " unknown", "UNKNOWN")})
-    cache_path = _common.DATA_DIR / f"abstention_unknown_probe{suffix}.json"
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    key_of = {"reader": llm.name, "reranker": reranker.name, "store": len(engine), "token_ids": ids,
-              "selection": repr(engine.config.selection)}
-    if cache.get("key") != key_of:
-        cache = {"key": key_of, "probes": {}}
+    ids = first_token_ids(llm.tokenizer, ("unknown", "Unknown", " unknown", "UNKNOWN"))
+    cache_path, cache = keyed_cache(f"abstention_unknown_probe{suffix}.json",
+                                    {"reader": llm.name, "reranker": reranker.name, "store": len(engine),
+                                     "token_ids": ids, "selection": repr(engine.config.selection)}, "probes")
 
     def prompt(question, r):
         n = cut(selector, r.rerank_scores, "logit")
@@ -451,7 +456,7 @@ def unknown_flag(engine, reranker, train, test_items, test_pairs, args, suffix) 
             batch = todo[i: i + 16]
             p = llm.next_token_probs([prompt(q, ret) for _, q, ret in batch], ids).sum(1)
             cache["probes"].update({k: float(v) for (k, _, _), v in zip(batch, p)})
-            write_file_atomic(cache_path, json.dumps(cache).encode())
+            save_cache(cache_path, cache)
 
         def x(question, r, way):
             return [float(np.max(r.rerank_scores)),
@@ -480,13 +485,11 @@ def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict
     prefill of the passage and the question), for the first CAL / TEST calibration and test questions with an
     off-topic version, both ways (cached in benchmarks/data by split, way, question and reader); flags adding it to
     the best score, fitted on the calibration split."""
-    import json
     import time
 
     import numpy as np
     from tqdm.auto import tqdm
 
-    from certrag.atomic import write_file_atomic
     from certrag.certify.calibration import load_calibration_items
     from certrag.llm.local import LocalLLM
     from certrag.train.factuality import auroc
@@ -498,19 +501,16 @@ def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict
     cal_results = cached_retrievals(engine, reranker, [it.question for it in cal_items], args.candidates,
                                     "calibration_candidates.json")
     cal_pairs = [both_ways_of(judge, it, r) for it, r in zip(cal_items, cal_results)]
-    cache_path = _common.DATA_DIR / f"abstention_presence_judge-{args.judge_model}.json"
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    key_of = {"reader": args.judge_model, "weights": "q8", "reranker": reranker.name, "store": len(engine),
-              "question": PRESENCE_QUESTION}
-    if cache.get("key") != key_of:
-        cache = {"key": key_of, "judgments": {}}
+    cache_path, cache = keyed_cache(f"abstention_presence_judge-{args.judge_model}.json",
+                                    {"reader": args.judge_model, "weights": "q8", "reranker": reranker.name,
+                                     "store": len(engine), "question": PRESENCE_QUESTION}, "judgments")
     llm, seconds, yes_no = None, [], []  # the judge is loaded, and its yes / no token ids read, on first need
 
     def log_odds(question, r) -> float:
         nonlocal llm
         if llm is None:
             llm = LocalLLM(args.judge_model, weights="q8", num_threads=1)
-            yes_no.extend([sorted({llm.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words})
+            yes_no.extend([first_token_ids(llm.tokenizer, words)
                            for words in (("yes", "Yes", " yes", "YES"), ("no", "No", " no", "NO"))])
         best = int(np.argmax(r.rerank_scores))
         messages = [{"role": "system", "content": "You check whether a passage answers a question."},
@@ -528,7 +528,7 @@ def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict
                 for way, ret in (("on", r), ("off", w))]
         for k, q, ret in tqdm([t for t in todo if t[0] not in cache["judgments"]], desc=f"{split} judgments"):
             cache["judgments"][k] = log_odds(q, ret)
-            write_file_atomic(cache_path, json.dumps(cache).encode())
+            save_cache(cache_path, cache)
 
         def x(question, r, way):
             return [float(np.max(r.rerank_scores)), cache["judgments"][f"{split}\t{way}\t{question}"]]
