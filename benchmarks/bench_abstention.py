@@ -36,6 +36,10 @@ def main() -> None:
                    help="also answer this many test questions both ways as a user's call does "
                    "(engine.answer(certify=True), the default reader and strategy) and report how often the answer is "
                    "rejected: the retrieval flag, or the reader saying unknown (about 1.4 x this many generations)")
+    p.add_argument("--judge-support", action="store_true",
+                   help="--engine-answers with judge_support=True: the answer-presence rule shipped with the reranker "
+                   "(certrag.certify.presence) decides support, and certify answers \"unknown\" where it says not "
+                   "supported")
     p.add_argument("--unknown-probe", type=train_test_counts, default=None, metavar="TRAIN,TEST",
                    help="TRAIN,TEST: also read the reader's probability that its answer starts with 'unknown' "
                    "(one prefill, the default selection's passages) for this many train and test questions both ways, "
@@ -143,20 +147,28 @@ def main() -> None:
                f"{with_answer['seconds_per_answer']:.2f}."]
     if end_to_end:
         e = end_to_end
+        how = ("`engine.answer(question, certify=True, judge_support=True)`" if e["judged"]
+               else "`engine.answer(question, certify=True)`")
+        flag = "the presence rule (no LLM call)" if e["judged"] else "the retrieval flag"
         md += ["\nWhat a user's call says: the first "
                f"{e['questions']} test questions that have an off-topic version, each answered both ways by "
-               f"`engine.answer(question, certify=True)` ({e['reader']}, strategy plain, the shipped calibration). "
-               "Rejected: the answer is \"unknown\" -- either no candidate is trusted (no LLM call) or the reader, "
-               "given the trusted candidates, says it cannot answer. 95% intervals: bootstrap over questions.\n",
+               f"{how} ({e['reader']}, strategy plain, the shipped calibration"
+               + (" and presence rule" if e["judged"] else "") + "). Rejected: the answer is \"unknown\" -- either "
+               + ("the shipped answer-presence rule says not supported or no candidate is trusted" if e["judged"]
+                  else "no candidate is trusted") + " (no LLM call) or the reader, given the trusted candidates, says "
+               "it cannot answer. Flagged: `Answer.support` says not supported. 95% intervals: bootstrap over "
+               "questions.\n",
                _common.markdown_table(
-                   ["questions", "rejected", "by the retrieval flag", "by the reader", "target", "met",
+                   ["questions", "rejected", f"by {flag}", "by the reader", "target", "met", "flagged",
                     "answer holds a reference answer"],
                    [[f"{way} ({e['questions']})", f"{e[way]['rejected']:.1%} [{e[way]['ci'][0]:.1%}, "
                      f"{e[way]['ci'][1]:.1%}]", f"{e[way]['by_retrieval']:.1%}", f"{e[way]['by_reader']:.1%}",
-                     target, "yes" if ok else "**no**", f"{e[way]['correct']:.2f}"]
+                     target, "yes" if ok else "**no**",
+                     "-" if e[way].get("flagged") is None else f"{e[way]['flagged']:.1%}", f"{e[way]['correct']:.2f}"]
                     for way, target, ok in (("answerable", "<= 10%", e["answerable"]["rejected"] <= 0.1),
                                             ("off-topic", ">= 80%", e["off-topic"]["rejected"] >= 0.8))]),
-               f"\nSeconds per LLM answer (median): {e['seconds_per_answer']:.2f}."]
+               f"\nSeconds per answer (median of those that called the LLM, the judge included when judged): "
+               f"{e['seconds_per_answer']:.2f}."]
     if probe:
         md += ["\nDoes the reader know when the passages do not hold the answer? Its probability that the answer "
                f"starts with \"unknown\" ({probe['reader']}, one prefill over the default selection's passages, the "
@@ -176,7 +188,9 @@ def main() -> None:
                "log-odds) is fitted on the calibration ones (the split the shipped certification is made on), its "
                "threshold where it flags 10% of their answerable ones; beside it the best score alone at the same "
                "calibration operating point, and the rule `calibrated retrieval flag or log-odds below c`. Measured on "
-               "test; not shipped:\n",
+               "test. The regression ships as `judge_support=True` (certrag.certify.presence; fitted by `python -m "
+               "certrag.train.presence_rule` on every calibration question with an off-topic version): when its file is "
+               "in the package, its row comes last:\n",
                flag_table(presence["flags"], "calibration"),
                f"\nThe log-odds alone, test AUROC (answerable against off-topic): {presence['auroc_alone']:.3f}; "
                f"seconds per judgment (median of the {presence['judged_now']} made by this run, the rest cached; one "
@@ -218,17 +232,9 @@ def flag_table(flags: list[dict], fitted_on: str = "train") -> str:
 
 def both_ways_of(judge, item, r) -> tuple:
     """(the retrieval as it is, the retrieval without its correct candidates (judge: a ChunkJudge) or None)."""
-    import dataclasses
+    from certrag.certify.calibration import without_correct
 
-    import numpy as np
-
-    keep = ~judge.correct(item, r.doc_ids, r.texts)
-    if not keep.any():
-        return r, None
-    return r, dataclasses.replace(r, chunk_ids=r.chunk_ids[keep], doc_ids=tuple(np.array(r.doc_ids)[keep]),
-                                  texts=tuple(np.array(r.texts, dtype=object)[keep]),
-                                  dense_scores=r.dense_scores[keep], rerank_scores=r.rerank_scores[keep],
-                                  selected=int(keep.sum()))
+    return r, without_correct(judge, item, r)
 
 
 def both_versions(items, pairs) -> list[tuple]:
@@ -381,18 +387,23 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
 
     from certrag.eval.metrics import answer_in_text
 
-    cache_path, cache = keyed_cache(f"abstention_engine_answers{suffix}.json",
-                                    {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
-                                     "selection": repr(engine.config.selection),
-                                     "threshold": engine.calibration.s_thres}, "answers")
+    key = {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
+           "selection": repr(engine.config.selection), "threshold": engine.calibration.s_thres}
+    rule = engine.presence_rule if args.judge_support else None
+    if args.judge_support:
+        if rule is None:
+            raise SystemExit(f"--judge-support: no answer-presence rule ships with {reranker.name}")
+        key["presence_rule"] = {"judge": rule.judge, "threshold": rule.threshold}
+    cache_path, cache = keyed_cache(f"abstention_engine_answers{suffix}{'-judged' if rule else ''}.json", key,
+                                    "answers")
 
     def answered(question, r, way):
         k = f"{way}\t{question}"
         if k not in cache["answers"]:
             t0 = time.perf_counter()
-            a = engine.answer(question, retrieval=r, certify=True)
+            a = engine.answer(question, retrieval=r, certify=True, judge_support=rule is not None)
             cache["answers"][k] = {"text": a.text, "rejected": a.rejected, "llm_calls": a.trace.get("llm_calls", 0),
-                                   "seconds": time.perf_counter() - t0}
+                                   "seconds": time.perf_counter() - t0, "supported": a.support["supported"]}
             if len(cache["answers"]) % 40 == 0:
                 save_cache(cache_path, cache)
         return cache["answers"][k]
@@ -402,11 +413,12 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
     for it, r, w in tqdm(chosen[: args.engine_answers], desc="engine answers"):
         for way, ret in (("answerable", r), ("off-topic", w)):
             a = answered(it.question, ret, way)
-            out[way].append((a["rejected"], a["llm_calls"] == 0, answer_in_text(a["text"], it.answers)))
+            out[way].append((a["rejected"], a["llm_calls"] == 0, answer_in_text(a["text"], it.answers),
+                             None if "supported" not in a else not a["supported"]))
             if a["llm_calls"]:
                 spent.append(a["seconds"])
     save_cache(cache_path, cache)
-    summary = {"questions": len(out["answerable"]), "reader": engine.llm.name,
+    summary = {"questions": len(out["answerable"]), "reader": engine.llm.name, "judged": rule is not None,
                "seconds_per_answer": float(np.median(spent)) if spent else float("nan")}
     for way, rows in out.items():
         rej = np.array([x[0] for x in rows])
@@ -414,7 +426,9 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
         summary[way] = {"rejected": float(rej.mean()), "ci": list(_common.bootstrap(rej.astype(float))),
                         "by_retrieval": float(by_retrieval.mean()),
                         "by_reader": float((rej & ~by_retrieval).mean()),
-                        "correct": float(np.mean([x[2] and not x[0] for x in rows]))}
+                        "correct": float(np.mean([x[2] and not x[0] for x in rows])),
+                        "flagged": (None if any(x[3] is None for x in rows)  # answers cached before it was kept
+                                    else float(np.mean([x[3] for x in rows])))}
     return summary
 
 
@@ -544,6 +558,12 @@ def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict
     flags.append(or_rule(f"calibrated retrieval flag or log-odds below {c:.2f}", c, s_thres,
                          (te_on[:, 0], -te_on[:, 1]), (te_off[:, 0], -te_off[:, 1]), -c))
     y = np.r_[np.ones(len(te_on)), np.zeros(len(te_off))]
+    rule = engine.presence_rule
+    if rule is not None and rule.judge == args.judge_model:  # what judge_support runs, fitted by the package
+        v_on, v_off = (np.array([rule.value(*x) for x in rows]) for rows in (te_on, te_off))
+        flags.append({"flag": f"the shipped rule, judge_support=True ({rule.fit['data']})",
+                      "train_threshold": rule.threshold, "answerable_flagged": float(np.mean(v_on < rule.threshold)),
+                      "offtopic_flagged": float(np.mean(v_off < rule.threshold)), "auroc": auroc(y, np.r_[v_on, v_off])})
     return {"reader": args.judge_model, "calibration_questions": len(cal_on), "test_questions": len(te_on),
             "auroc_alone": auroc(y, np.r_[te_on[:, 1], te_off[:, 1]]), "flags": flags,
             "seconds_per_judgment": float(np.median(seconds)) if seconds else float("nan"), "judged_now": len(seconds)}

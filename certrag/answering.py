@@ -37,7 +37,10 @@ class AnswerOptions:
     that an open answer rests on sentences relevant to the question, answering again without the off-topic ones
     when it does not (certrag.grounding: the injection defence that reads no list of phrasings). history: the
     conversation before the question, (role, text) pairs, shown to the model with the question (retrieval reads
-    the question alone)."""
+    the question alone). judge_support: Answer.support also asks a reader whether the best candidate states the
+    answer and lets the answer-presence rule shipped with the reranker decide (certrag.certify.presence; one
+    prefill of the rule's model, qwen2.5-coder-1.5b-instruct, about 2 s on one core); with certify, a question it
+    judges not supported is answered "unknown" without an LLM call."""
 
     qtype: str = "open"
     options: tuple[str, ...] | None = None
@@ -48,6 +51,7 @@ class AnswerOptions:
     confidence: bool = False
     grounding: bool = True
     history: tuple[tuple[str, str], ...] = ()
+    judge_support: bool = False
 
     def __post_init__(self) -> None:
         if self.qtype not in QUESTION_TYPES:
@@ -153,21 +157,22 @@ def _signals(call, question: str, r: Retrieval, classifier, reranker) -> dict:
 
 def answer(question: str, r: Retrieval, strategy: Strategy, llm, options: AnswerOptions, *,
            selection: SelectionConfig, certification=None, classifier=None, relevance=None,
-           retrieve_ms: float = 0.0, reranker=None) -> Answer:
+           retrieve_ms: float = 0.0, reranker=None, abstain: bool = False) -> Answer:
     """Answers from a retrieval: the selector's cut (or, when certification applies, the trusted candidates, at
     most selection.max_k; none trusted -> "unknown" without an LLM call), the strategy, the answer's lookback
     P(correct) (classifier given; reranker scores the passages read when the classifier needs their best reranker
     score and r carries none), the grounding check (relevance given: certrag.grounding.grounded_run), citations,
-    cost and trace."""
+    cost and trace. abstain: answer "unknown" without an LLM call (the engine's judged support said the store does
+    not hold the answer)."""
     limit = len(r.chunk_ids)
     if certification is not None and certification.applied:
         limit = min(certification.trusted_count, selection.max_k)
         r = dataclasses.replace(r, selected=limit)
-        if limit == 0:
-            trace = dict(r.trace, retrieve_ms=retrieve_ms, generate_ms=0.0, llm_calls=0, history=[])
-            return Answer(question=question, text=UNKNOWN, strategy=strategy.name, cited_chunk_ids=(),
-                          rejected=True, model=getattr(llm, "name", ""), trace=trace, retrieval=r,
-                          certification=certification)
+    if abstain or limit == 0:
+        trace = dict(r.trace, retrieve_ms=retrieve_ms, generate_ms=0.0, llm_calls=0, history=[])
+        return Answer(question=question, text=UNKNOWN, strategy=strategy.name, cited_chunk_ids=(),
+                      rejected=True, model=getattr(llm, "name", ""), trace=trace, retrieval=r,
+                      certification=certification)
     t1 = time.perf_counter()
     result, grounding = grounded_run(strategy, with_history(question, options.history), passages_of(r, r.selected),
                                      llm, options.qtype,

@@ -361,10 +361,15 @@ def remove(store: Path, doc_ids: tuple[str, ...], as_json: bool) -> None:
 @click.option("--confidence", is_flag=True,
               help="Report P(correct): the probability that the answer contains a reference answer, from the "
                    "classifier shipped for the model (lookback ratios and token probabilities).")
+@click.option("--judge-support", is_flag=True,
+              help="Also ask a reader whether the best chunk states the answer before saying the store supports "
+                   "the question (the answer-presence rule shipped with the reranker; needs the "
+                   "qwen2.5-coder-1.5b-instruct packages; about 2 s more).")
 def ask(store: Path, question: str, strategy: str, model: str | None, as_json: bool, certify: bool,
-        force_certify: bool, confidence: bool) -> None:
+        force_certify: bool, confidence: bool, judge_support: bool) -> None:
     """Answer QUESTION from STORE with a local LLM (each call loads the models; `certrag serve` keeps them loaded)."""
     from certrag.llm import LocalLLM
+    from certrag.llm.models import MissingModel
 
     started = time.perf_counter()
     with _open_engine(store, read_only=True) as engine:
@@ -375,8 +380,8 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
                 raise click.ClickException(str(exc)) from None
         try:
             a = engine.answer(question, strategy=strategy, certify=certify, force_certify=force_certify,
-                              confidence=confidence)
-        except (ValueError, FileNotFoundError) as exc:
+                              confidence=confidence, judge_support=judge_support)
+        except (ValueError, FileNotFoundError, MissingModel) as exc:
             raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(a.to_dict(), indent=2, ensure_ascii=False, default=str))
@@ -390,6 +395,12 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
     if a.p_correct is not None:
         click.echo(f"(P(correct) {a.p_correct:.2f}: the probability that the answer contains a reference answer, "
                    f"as the classifier shipped for {a.model} estimates it)")
+    if a.support is not None and not a.support["supported"]:
+        judged = a.support.get("judge")
+        why = (f"the reader judges the best chunk not to state the answer (log-odds {judged['log_odds']:.2f})"
+               if judged else f"the best chunk scores {a.support['best_score']:.2f}, below the trusted "
+                              f"{a.support['threshold']:.2f}")
+        click.echo(f"(NOT SUPPORTED: {why}; the store may not hold the answer)")
     c = a.certification
     if c is not None:
         click.echo(f"(certified at alpha {c.alpha}: {c.trusted_count} of {len(c.trusted)} candidates trusted; "

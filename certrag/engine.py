@@ -97,9 +97,12 @@ class Engine:
         self._lock = lock
         self._retriever = Retriever(stages.embedder, stages.reranker, config)
         self._default_llm = None
+        self._judges = {}  # (model, weights) -> the LocalLLM that judges answer presence, loaded on first use
+        self._judge_lock = threading.Lock()  # held while a judge loads, never during a request
         self._chunker = None
         self._calibration = None
         self.factuality = None  # a FactualityClassifier to use for every model; None: the one shipped per model
+        self.presence = None  # a certrag.certify.presence.PresenceRule for judge_support; None: the one shipped
         self._view = self._publish()
         self._write_lock = threading.Lock()  # one write at a time; readers never take it
 
@@ -261,8 +264,10 @@ class Engine:
         """A read-only engine sharing this one's store version, calibration, default model and classifier."""
         other = Engine(self.path, self._data, config, read_only=True, stages=stages)
         other._default_llm = self._default_llm
+        other._judges, other._judge_lock = self._judges, self._judge_lock
         other._calibration = self._calibration
         other.factuality = self.factuality
+        other.presence = self.presence
         return other
 
     def close(self) -> None:
@@ -537,23 +542,77 @@ class Engine:
             return self._calibration
         return default_calibration(self.embedder_name, self.reranker_identity())
 
-    def support(self, r: Retrieval) -> dict | None:
+    def support(self, r: Retrieval, *, judge: bool = False, llm=None) -> dict | None:
         """Whether retrieval found anything the calibration trusts for this question: the best candidate's score
         against the calibration's threshold (a question whose answer the store does not hold scores far below it).
-        None without a calibration, or when the retrieval has no scores on its scale (the reranker skipped)."""
+        None without a calibration, or when the retrieval has no scores on its scale (the reranker skipped).
+
+        judge=True: also asks a reader whether the best candidate states the answer, and lets the answer-presence
+        rule shipped with the reranker decide (certrag.certify.presence: the best score and the reader's log-odds,
+        fitted on NQ-open; "judge" in the result holds its numbers, "retrieval_supported" the score's verdict alone).
+        The judge is the rule's model: llm when it is that model, else the engine's, else loaded once. ValueError
+        when no rule ships for this engine's reranker and embedder."""
         from certrag.certify.conformal import CalibrationError, calibrated_scores
 
+        rule = self.presence_rule if judge else None
+        if judge and rule is None:
+            raise ValueError("judge_support needs the answer-presence rule shipped with a packaged reranker; none "
+                             f"fits this engine (reranker {self.reranker_identity()}, embedder {self.embedder_name})")
         cal = self.calibration
-        if cal is None:
-            return None
+        out = None
+        if cal is not None:
+            try:
+                scores = calibrated_scores(r.rerank_scores, r.dense_scores, cal.score_transform)
+            except CalibrationError:
+                scores = None
+            if scores is not None:
+                best = float(scores.max()) if len(scores) else None
+                supported = cal.s_thres is None or (best is not None and best >= cal.s_thres)
+                out = {"supported": bool(supported), "best_score": best, "threshold": cal.s_thres,
+                       "alpha": cal.alpha, "calibration": cal.source or "this store"}
+        if rule is None:
+            return out
         try:
-            scores = calibrated_scores(r.rerank_scores, r.dense_scores, cal.score_transform)
+            scores = calibrated_scores(r.rerank_scores, r.dense_scores, rule.score_transform)
         except CalibrationError:
+            return out
+        if not len(scores):
+            return out
+        from certrag.certify.presence import log_odds
+
+        best_i = int(np.argmax(scores))
+        said = float(log_odds(self._judge_model(rule, llm), [(r.question, r.texts[best_i])])[0])
+        value = rule.value(float(scores[best_i]), said)
+        return {**(out or {"threshold": None, "alpha": None, "calibration": None}),
+                "supported": value >= rule.threshold, "best_score": float(scores[best_i]),
+                "retrieval_supported": None if out is None else out["supported"],
+                "judge": {"model": rule.judge, "log_odds": said, "value": value, "threshold": rule.threshold,
+                          "fitted_on": rule.fit.get("data", "")}}
+
+    @property
+    def presence_rule(self):
+        """engine.presence when set, else the answer-presence rule shipped with this engine's packaged reranker
+        (certrag.certify.presence), when it was fitted with exactly this embedder and reranker; else None."""
+        if self.presence is not None:
+            return self.presence
+        reranker = self.reranker_identity()
+        if reranker is None:
             return None
-        best = float(scores.max()) if len(scores) else None
-        supported = cal.s_thres is None or (best is not None and best >= cal.s_thres)
-        return {"supported": bool(supported), "best_score": best, "threshold": cal.s_thres, "alpha": cal.alpha,
-                "calibration": cal.source or "this store"}
+        return _shipped_presence_rule(self.embedder_name, reranker.get("name"), reranker.get("weights_sha256"))
+
+    def _judge_model(self, rule, llm=None):
+        """The LocalLLM that judges for rule: llm or the engine's model when it is the rule's, else one loaded
+        once per engine family."""
+        for candidate in (llm, self.stages.llm, self._default_llm):
+            if getattr(candidate, "name", None) == rule.judge and getattr(candidate, "weights", None) == rule.weights:
+                return candidate
+        key = (rule.judge, rule.weights)
+        with self._judge_lock:
+            if key not in self._judges:
+                from certrag.llm import LocalLLM
+
+                self._judges[key] = LocalLLM(rule.judge, weights=rule.weights)
+            return self._judges[key]
 
     def set_calibration(self, calibration) -> None:
         """Stores a calibration with the store (atomically), after checking it matches this engine's models."""
@@ -625,7 +684,10 @@ class Engine:
         and no LLM call is made. confidence=True fills Answer.p_correct, the probability that the answer contains a
         reference answer, from the classifier engine.factuality (by default the one shipped for the model:
         lookback ratios recorded while the local model writes, stacked with the mean log-probability, or the
-        calibrated log-probability; its card says which).
+        calibrated log-probability; its card says which). judge_support=True: Answer.support is decided by the
+        answer-presence rule shipped with the reranker (a reader asked whether the best candidate states the answer;
+        Engine.support), and with certify a question it judges not supported is answered "unknown" without an LLM
+        call.
 
         llm: the model for this call only (default: engine.llm). on_text(piece): called with the text of every model
         call of this answer as it is decoded (Chain-of-Note's notes, then the answer; a remote model's text arrives
@@ -640,7 +702,7 @@ class Engine:
         chosen = make_strategy(strategy)
         if opts.max_new_tokens is not None:
             chosen = chosen.with_max_new_tokens(opts.max_new_tokens)
-        llm = self.llm if llm is None else llm
+        llm = model = self.llm if llm is None else llm
         if on_text is not None or cancelled is not None:
             from certrag.llm.calls import CallView
 
@@ -652,25 +714,31 @@ class Engine:
         r = self.retrieve(question) if retrieval is None else retrieval
         retrieve_ms = (time.perf_counter() - t0) * 1e3 if retrieval is None else retrieval_ms(r)
         certification = None
-        if opts.certify or opts.force_certify:
+        if opts.certify or opts.force_certify or opts.judge_support:
             r = self._scored_for_calibration(question, r)
+        if opts.certify or opts.force_certify:
             certification = self.certify(r, force=opts.force_certify)
         relevance = None
         if opts.grounding and opts.qtype == "open":
             from certrag.grounding import default_relevance
 
             relevance = default_relevance()
+        support = self.support(r, judge=opts.judge_support, llm=model)
+        abstain = certification is not None and support is not None and "judge" in support \
+            and not support["supported"]
         a = answer_from(question, r, chosen, llm, opts, selection=self.config.selection,
                         certification=certification, classifier=classifier, relevance=relevance,
-                        retrieve_ms=retrieve_ms, reranker=self.reranker)
-        return dataclasses.replace(a, support=self.support(r))
+                        retrieve_ms=retrieve_ms, reranker=self.reranker, abstain=abstain)
+        return dataclasses.replace(a, support=support)
 
     def _scored_for_calibration(self, question: str, r: Retrieval) -> Retrieval:
         """r, or the question retrieved again with the reranker when the calibration is on reranker logits and the
         adaptive skip rule left r without them: certification must score every question the way the calibration
         did (the skip rule fires exactly on the questions whose dense ranking looks decisive)."""
-        cal = self.calibration
-        if cal is None or cal.score_transform != "rerank logit" or not r.trace.get("rerank_skipped"):
+        if not r.trace.get("rerank_skipped"):
+            return r
+        on_logits = [x.score_transform == "rerank logit" for x in (self.calibration, self.presence_rule) if x]
+        if not any(on_logits):
             return r
         return self.retrieve(question, rerank=True, candidates=len(r.chunk_ids))
 
@@ -773,6 +841,19 @@ def default_calibration(embedder: str, reranker: dict | None):
     if reranker is None:
         return None
     return _shipped_calibration(embedder, reranker.get("name"), reranker.get("weights_sha256"))
+
+
+@functools.lru_cache(maxsize=8)
+def _shipped_presence_rule(embedder: str, name: str | None, weights: str | None):
+    from certrag.certify.presence import PresenceRule
+    from certrag.rerank import PACKAGE_RERANKERS
+
+    rule = PresenceRule.shipped(PACKAGE_RERANKERS.get(name))
+    made_with = (rule.reranker or {}) if rule is not None else {}
+    if rule is None or rule.embedder != embedder or made_with.get("name") != name \
+            or made_with.get("weights_sha256") != weights:
+        return None
+    return rule
 
 
 @functools.lru_cache(maxsize=8)

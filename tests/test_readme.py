@@ -1,7 +1,7 @@
 """Every ```python block of README.md runs, in order, each in a fresh namespace (so none leans on a name another
 defined), in one subprocess whose working folder holds the files the README names (notes/, article.txt, cal.jsonl).
 A block preceded by `<!-- readme-test: REASON -->` is skipped with that reason: a running server (tested in
-tests/serve/test_serve.py) or the bundled reader, which `make test` does not install (it runs when the reader is there)."""
+tests/serve/test_serve.py) or a bundled reader `make test` does not install (it runs when the reader is there)."""
 
 import json
 import re
@@ -22,14 +22,18 @@ def blocks() -> list[tuple[int, str, str | None]]:
     return [(text[: m.start("code")].count("\n") + 1, m.group("code"), m.group("skip")) for m in BLOCK.finditer(text)]
 
 
-def _reader_installed() -> bool:
+def _reader_installed(name: str | None = None) -> bool:
+    """Whether a bundled model's packages are installed (default: the default reader)."""
     from certrag.llm.models import BUNDLED_MODELS, DEFAULT_LLM
 
     try:
-        BUNDLED_MODELS[DEFAULT_LLM].gguf_parts()
+        BUNDLED_MODELS[name or DEFAULT_LLM].gguf_parts()
         return True
     except Exception:
         return False
+
+
+READERS = {"needs the bundled reader": None, "needs the 1.5B reader": "qwen2.5-coder-1.5b-instruct"}
 
 
 DRIVER = r"""
@@ -53,7 +57,7 @@ def test_every_python_block_of_the_readme_runs(tmp_path):
     assert len(found) >= 8, "the README's python blocks were not found"
     run, skipped = [], []
     for line, code, skip in found:
-        if skip and not (skip == "needs the bundled reader" and _reader_installed()):
+        if skip and not (skip in READERS and _reader_installed(READERS[skip])):
             skipped.append((line, skip))
         else:
             run.append((line, code))

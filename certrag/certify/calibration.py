@@ -94,6 +94,21 @@ def load_calibration_items(data: object) -> list[CalibrationItem]:
 JUDGE_RULES = ("source_id", "source_text", "answer_span", "answer_rougeL")
 
 
+def without_correct(judge: "ChunkJudge", item: CalibrationItem, r):
+    """The retrieval r (certrag.retrieval.Retrieval) with every candidate the judge marks correct for item removed:
+    what a store without any passage that answers the question returns at the top (its best remaining candidates are
+    the same whatever would fill the gap below them). None when nothing would remain."""
+    import dataclasses
+
+    keep = ~judge.correct(item, r.doc_ids, r.texts)
+    if not keep.any():
+        return None
+    return dataclasses.replace(r, chunk_ids=r.chunk_ids[keep], doc_ids=tuple(np.array(r.doc_ids)[keep]),
+                               texts=tuple(np.array(r.texts, dtype=object)[keep]),
+                               dense_scores=r.dense_scores[keep], rerank_scores=r.rerank_scores[keep],
+                               selected=int(keep.sum()))
+
+
 class ChunkJudge:
     """Decides which candidates are correct for an item, by four rules (any one suffices):
 

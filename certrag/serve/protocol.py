@@ -93,6 +93,7 @@ class AnswerRequest(Strict):
     options: list[Text] | None = None
     certify: bool = False  # only chunks trusted under the store's conformal calibration (when it holds)
     confidence: bool = False  # fill p_correct: P(the answer contains a correct answer); a local model's classifier
+    judge_support: bool = False  # support decided by a reader judging the best chunk (certrag.certify.presence)
     max_new_tokens: int | None = Field(default=None, ge=1, le=4096)
     stream: bool = False
     timeout: float | None = Field(default=None, gt=0, le=86400, allow_inf_nan=False)

@@ -123,7 +123,7 @@ async def answer(req: AnswerRequest, request: Request):
     seconds = st.deadline(request, req.timeout)
     cancel = threading.Event()
     fields = {"qtype": req.qtype, "options": req.options, "certify": req.certify, "confidence": req.confidence,
-              "max_new_tokens": req.max_new_tokens}
+              "judge_support": req.judge_support, "max_new_tokens": req.max_new_tokens}
     st.check_request_text([req.question, *(req.options or [])], req.max_new_tokens)
     st.queue.admit()
 
