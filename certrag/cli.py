@@ -397,7 +397,8 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
                    f"as the classifier shipped for {a.model} estimates it)")
     if a.support is not None and not a.support["supported"]:
         judged = a.support.get("judge")
-        why = (f"the reader judges the best chunk not to state the answer (log-odds {judged['log_odds']:.2f})"
+        why = (f"the answer-presence rule says no (best score {a.support['best_score']:.2f}, the reader's log-odds "
+               f"that the best chunk states the answer {judged['log_odds']:.2f})"
                if judged else f"the best chunk scores {a.support['best_score']:.2f}, below the trusted "
                               f"{a.support['threshold']:.2f}")
         click.echo(f"(NOT SUPPORTED: {why}; the store may not hold the answer)")

@@ -42,6 +42,7 @@ class RagOptions(Strict):
 
     certify: bool = False  # only chunks trusted under the store's conformal calibration (when it holds)
     confidence: bool = False  # fill p_correct: P(the answer contains a correct answer); a local model's classifier
+    judge_support: bool = False  # support decided by a reader judging the best chunk (certrag.certify.presence)
 
 
 class ChatRequest(Strict):

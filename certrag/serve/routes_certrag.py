@@ -37,7 +37,8 @@ def ready(request: Request):
     body = {"ready": st.ready, "model": st.reader, "store": str(st.engine.path) if st.engine else None,
             "queue": st.queue.count, "queue_depth": st.config.queue_depth, "encoder_requests": st.encoders.count,
             "encoder_depth": st.config.encoder_depth,
-            "confidence": _offers_confidence(st.llm), "p_correct": _p_correct_about(st.llm)}
+            "confidence": _offers_confidence(st.llm), "p_correct": _p_correct_about(st.llm),
+            "judge_support": _offers_judge_support(st.engine)}
     decode = getattr(st.llm, "engine", None)  # a local model's decode engine (a remote one reports nothing here)
     if decode is not None:
         running, waiting = decode.load
@@ -51,6 +52,21 @@ def _offers_confidence(llm) -> bool:
     from certrag.protocols import records_lookback
 
     return records_lookback(llm) and has_classifier(getattr(llm, "name", ""))
+
+
+def _offers_judge_support(engine) -> bool:
+    """Whether an answer may ask for judge_support: the store's reranker ships an answer-presence rule and the
+    rule's reader is installed."""
+    from certrag.llm.models import BUNDLED_MODELS, MissingModel
+
+    rule = engine.presence_rule if engine is not None else None
+    if rule is None or rule.judge not in BUNDLED_MODELS:
+        return False
+    try:
+        BUNDLED_MODELS[rule.judge].gguf_parts()
+    except MissingModel:
+        return False
+    return True
 
 
 def _p_correct_about(llm) -> dict | None:

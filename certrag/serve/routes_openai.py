@@ -172,7 +172,8 @@ class Call:
         st.check_request_text([question, *(c for _, c in history)], self.max_new, param="messages")
         opts = self.req.certrag
         fields = {"max_new_tokens": self.max_new, "history": history,
-                  "certify": bool(opts and opts.certify), "confidence": bool(opts and opts.confidence)}
+                  "certify": bool(opts and opts.certify), "confidence": bool(opts and opts.confidence),
+                  "judge_support": bool(opts and opts.judge_support)}
 
         def work(emit):
             r = engine.retrieve(question)

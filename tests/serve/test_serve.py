@@ -492,6 +492,21 @@ def test_schemathesis_finds_no_server_errors_or_schema_violations(store, tmp_pat
     assert not errors, errors
 
 
+def _judge_installed() -> bool:
+    """Whether the default reranker ships an answer-presence rule and its reader's packages are installed."""
+    from certrag.llm.models import BUNDLED_MODELS
+    from certrag.rerank import PACKAGE_RERANKER
+
+    rules = list(PACKAGE_RERANKER.glob("presence-*.json"))
+    if not rules:
+        return False
+    try:
+        BUNDLED_MODELS[json.loads(rules[0].read_text())["judge"]].gguf_parts()
+        return True
+    except RuntimeError:
+        return False
+
+
 def test_the_web_page_streams_an_answer_with_its_evidence_in_a_real_browser(server, store, tmp_path, request):
     """Headless Chromium (the system's, through Selenium and chromedriver) on `/`, in the page's three states: a
     supported, certified answer; a question the store cannot answer (the trust line warns of weak retrieval); an
@@ -569,6 +584,25 @@ def test_the_web_page_streams_an_answer_with_its_evidence_in_a_real_browser(serv
                 keep.mkdir(parents=True, exist_ok=True)
                 browser.save_screenshot(str(keep / f"serve_page_{state}.png"))
             assert (tmp_path / f"serve_page_{state}.png").stat().st_size > 10_000
+        # judged support is offered where the store's reranker ships a presence rule and its reader is installed
+        # (the 1.5B reader: not installed by `make test`, so CI sees the box hidden)
+        offered = _judge_installed()
+        assert browser.find_element(By.ID, "judge-box").is_displayed() is offered is _ready(server)["judge_support"]
+        if offered:
+            box = browser.find_element(By.ID, "question")
+            box.clear()
+            box.send_keys("What is the boiling point of mercury in degrees Celsius?")
+            browser.find_element(By.ID, "max-tokens").clear()
+            browser.find_element(By.ID, "judge").click()
+            browser.find_element(By.ID, "go").click()
+            wait.until(lambda b: b.find_element(By.ID, "trust").is_displayed()
+                       and b.find_element(By.ID, "answer-meta").text)
+            trust = browser.find_element(By.ID, "trust")
+            assert trust.get_attribute("class") == "warn" and "may not hold the answer" in trust.text
+            assert "log-odds" in trust.text and "qwen2.5-coder-1.5b-instruct" in trust.text
+            browser.save_screenshot(str(tmp_path / "serve_page_judged.png"))
+            if os.environ.get("CERTRAG_KEEP_SCREENSHOT") == "1":
+                browser.save_screenshot(str(keep / "serve_page_judged.png"))
         # a chunk opens to its whole text with its document and position
         first = browser.find_element(By.CSS_SELECTOR, "#candidates tbody tr details")
         first.find_element(By.TAG_NAME, "summary").click()
