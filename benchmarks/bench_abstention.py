@@ -37,9 +37,9 @@ def main() -> None:
                    "(engine.answer(certify=True), the default reader and strategy) and report how often the answer is "
                    "rejected: the retrieval flag, or the reader saying unknown (about 1.4 x this many generations)")
     p.add_argument("--judge-support", action="store_true",
-                   help="--engine-answers with judge_support=True: the answer-presence rule shipped with the reranker "
-                   "(certrag.certify.presence) decides support, and certify answers \"unknown\" where it says not "
-                   "supported")
+                   help="--engine-answers also with judge_support=True: the answer-presence rule shipped with the "
+                   "reranker (certrag.certify.presence) decides support, and certify answers \"unknown\" where it "
+                   "says not supported")
     p.add_argument("--unknown-probe", type=train_test_counts, default=None, metavar="TRAIN,TEST",
                    help="TRAIN,TEST: also read the reader's probability that its answer starts with 'unknown' "
                    "(one prefill, the default selection's passages) for this many train and test questions both ways, "
@@ -91,7 +91,8 @@ def main() -> None:
     richer = richer_flag(train_pairs, pairs)
     with_answer = (answer_flag(engine, reranker, (train, train_pairs), items, pairs, args, suffix) if args.answers
                    else None)
-    end_to_end = engine_rejections(engine, reranker, items, pairs, args, suffix) if args.engine_answers else None
+    end_to_end = ([engine_rejections(engine, reranker, items, pairs, args, suffix, judged)
+                   for judged in ((False, True) if args.judge_support else (False,))] if args.engine_answers else [])
     probe = (unknown_flag(engine, reranker, (train, train_pairs), items, pairs, args, suffix) if args.unknown_probe
              else None)
     sweep = [{"threshold": float(t), "answerable_flagged": float((on < t).mean()),
@@ -145,8 +146,7 @@ def main() -> None:
                f"\nShare of answers containing a reference answer: answerable {with_answer['correct_on']:.2f}, "
                f"off-topic {with_answer['correct_off']:.2f} (test); seconds per answer "
                f"{with_answer['seconds_per_answer']:.2f}."]
-    if end_to_end:
-        e = end_to_end
+    for e in end_to_end:
         how = ("`engine.answer(question, certify=True, judge_support=True)`" if e["judged"]
                else "`engine.answer(question, certify=True)`")
         flag = "the presence rule (no LLM call)" if e["judged"] else "the retrieval flag"
@@ -376,10 +376,11 @@ def answer_flag(engine, reranker, train, test_items, test_pairs, args, suffix) -
             "seconds_per_answer": float(np.median(spent)) if spent else float("nan")}
 
 
-def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) -> dict:
+def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix, judged: bool = False) -> dict:
     """Answers the first args.engine_answers test questions that have an off-topic version both ways, as a user's
     call does (engine.answer(certify=True): the trusted candidates, or "unknown" without an LLM call when none is
-    trusted), cached in benchmarks/data by question and way; the share rejected each way, split by cause."""
+    trusted), cached in benchmarks/data by question and way; the share rejected each way, split by cause. judged:
+    with judge_support=True (the shipped answer-presence rule decides support; cached apart)."""
     import time
 
     import numpy as np
@@ -389,8 +390,8 @@ def engine_rejections(engine, reranker, test_items, test_pairs, args, suffix) ->
 
     key = {"reader": engine.llm.name, "reranker": reranker.name, "store": len(engine),
            "selection": repr(engine.config.selection), "threshold": engine.calibration.s_thres}
-    rule = engine.presence_rule if args.judge_support else None
-    if args.judge_support:
+    rule = engine.presence_rule if judged else None
+    if judged:
         if rule is None:
             raise SystemExit(f"--judge-support: no answer-presence rule ships with {reranker.name}")
         key["presence_rule"] = {"judge": rule.judge, "threshold": rule.threshold}

@@ -581,13 +581,16 @@ class Engine:
         from certrag.certify.presence import log_odds
 
         best_i = int(np.argmax(scores))
-        said = float(log_odds(self._judge_model(rule, llm), [(r.question, r.texts[best_i])])[0])
+        judge_llm = self._judge_model(rule, llm)
+        t0 = time.perf_counter()
+        said = float(log_odds(judge_llm, [(r.question, r.texts[best_i])])[0])
+        judged_ms = (time.perf_counter() - t0) * 1e3
         value = rule.value(float(scores[best_i]), said)
         return {**(out or {"threshold": None, "alpha": None, "calibration": None}),
                 "supported": value >= rule.threshold, "best_score": float(scores[best_i]),
                 "retrieval_supported": None if out is None else out["supported"],
                 "judge": {"model": rule.judge, "log_odds": said, "value": value, "threshold": rule.threshold,
-                          "fitted_on": rule.fit.get("data", "")}}
+                          "fitted_on": rule.fit.get("data", ""), "ms": judged_ms}}
 
     @property
     def presence_rule(self):
