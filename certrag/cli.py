@@ -369,7 +369,6 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
         force_certify: bool, confidence: bool, judge_support: bool) -> None:
     """Answer QUESTION from STORE with a local LLM (each call loads the models; `certrag serve` keeps them loaded)."""
     from certrag.llm import LocalLLM
-    from certrag.llm.models import MissingModel
 
     started = time.perf_counter()
     with _open_engine(store, read_only=True) as engine:
@@ -381,7 +380,7 @@ def ask(store: Path, question: str, strategy: str, model: str | None, as_json: b
         try:
             a = engine.answer(question, strategy=strategy, certify=certify, force_certify=force_certify,
                               confidence=confidence, judge_support=judge_support)
-        except (ValueError, FileNotFoundError, MissingModel) as exc:
+        except (ValueError, FileNotFoundError) as exc:
             raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(a.to_dict(), indent=2, ensure_ascii=False, default=str))

@@ -613,8 +613,12 @@ class Engine:
         with self._judge_lock:
             if key not in self._judges:
                 from certrag.llm import LocalLLM
+                from certrag.llm.models import MissingModel
 
-                self._judges[key] = LocalLLM(rule.judge, weights=rule.weights)
+                try:
+                    self._judges[key] = LocalLLM(rule.judge, weights=rule.weights)
+                except MissingModel as exc:  # an option this installation cannot serve: the caller's to drop
+                    raise ValueError(f"judge_support needs the reader {rule.judge}: {exc}") from None
             return self._judges[key]
 
     def set_calibration(self, calibration) -> None:

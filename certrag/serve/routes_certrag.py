@@ -57,16 +57,10 @@ def _offers_confidence(llm) -> bool:
 def _offers_judge_support(engine) -> bool:
     """Whether an answer may ask for judge_support: the store's reranker ships an answer-presence rule and the
     rule's reader is installed."""
-    from certrag.llm.models import BUNDLED_MODELS, MissingModel
+    from certrag.llm.models import BUNDLED_MODELS
 
     rule = engine.presence_rule if engine is not None else None
-    if rule is None or rule.judge not in BUNDLED_MODELS:
-        return False
-    try:
-        BUNDLED_MODELS[rule.judge].gguf_parts()
-    except MissingModel:
-        return False
-    return True
+    return rule is not None and rule.judge in BUNDLED_MODELS and BUNDLED_MODELS[rule.judge].installed
 
 
 def _p_correct_about(llm) -> dict | None:

