@@ -317,11 +317,6 @@ def save_cache(path: Path, cache: dict) -> None:
     write_file_atomic(path, json.dumps(cache).encode())
 
 
-def first_token_ids(tokenizer, words: tuple[str, ...]) -> list[int]:
-    """The distinct first token ids of `words` (a label word's spellings)."""
-    return sorted({tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words})
-
-
 def answer_flag(engine, reranker, train, test_items, test_pairs, args, suffix) -> dict:
     """Answers the first args.answers train and test questions (those with an off-topic version) both ways with
     confidence=True (cached in benchmarks/data by question, store way and reader), and measures flags that add the
@@ -444,13 +439,14 @@ def unknown_flag(engine, reranker, train, test_items, test_pairs, args, suffix) 
     import numpy as np
     from tqdm.auto import tqdm
 
+    from certrag.certify import presence
     from certrag.llm import prompts
     from certrag.select import cut
     from certrag.train.factuality import auroc
 
     n_train, n_test = args.unknown_probe
     llm, selector = engine.llm, engine.config.selection.make()
-    ids = first_token_ids(llm.tokenizer, ("unknown", "Unknown", " unknown", "UNKNOWN"))
+    ids = presence.first_token_ids(llm.tokenizer, ("unknown", "Unknown", " unknown", "UNKNOWN"))
     cache_path, cache = keyed_cache(f"abstention_unknown_probe{suffix}.json",
                                     {"reader": llm.name, "reranker": reranker.name, "store": len(engine),
                                      "token_ids": ids, "selection": repr(engine.config.selection)}, "probes")
@@ -493,9 +489,6 @@ def unknown_flag(engine, reranker, train, test_items, test_pairs, args, suffix) 
             "test_questions": len(te_on), "flags": flags}
 
 
-PRESENCE_QUESTION = "Does the passage state the answer to the question? Reply with yes or no only."
-
-
 def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict:
     """A reader's log-odds that the best candidate states the answer ('yes' against 'no' as its first token; one
     prefill of the passage and the question), for the first CAL / TEST calibration and test questions with an
@@ -506,6 +499,7 @@ def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict
     import numpy as np
     from tqdm.auto import tqdm
 
+    from certrag.certify import presence
     from certrag.certify.calibration import load_calibration_items
     from certrag.llm.local import LocalLLM
     from certrag.train.factuality import auroc
@@ -519,24 +513,18 @@ def presence_flag(engine, reranker, test_items, test_pairs, args, judge) -> dict
     cal_pairs = [both_ways_of(judge, it, r) for it, r in zip(cal_items, cal_results)]
     cache_path, cache = keyed_cache(f"abstention_presence_judge-{args.judge_model}.json",
                                     {"reader": args.judge_model, "weights": "q8", "reranker": reranker.name,
-                                     "store": len(engine), "question": PRESENCE_QUESTION}, "judgments")
-    llm, seconds, yes_no = None, [], []  # the judge is loaded, and its yes / no token ids read, on first need
+                                     "store": len(engine), "question": presence.QUESTION}, "judgments")
+    llm, seconds = None, []  # the judge is loaded on first need
 
     def log_odds(question, r) -> float:
+        """The judgment judge_support makes (certrag.certify.presence.log_odds), timed."""
         nonlocal llm
         if llm is None:
             llm = LocalLLM(args.judge_model, weights="q8", num_threads=1)
-            yes_no.extend([first_token_ids(llm.tokenizer, words)
-                           for words in (("yes", "Yes", " yes", "YES"), ("no", "No", " no", "NO"))])
-        best = int(np.argmax(r.rerank_scores))
-        messages = [{"role": "system", "content": "You check whether a passage answers a question."},
-                    {"role": "user", "content": f"Passage: {r.texts[best]}\n\nQuestion: {question}\n\n"
-                                                f"{PRESENCE_QUESTION}"}]
         t0 = time.perf_counter()
-        p = llm.next_token_probs([llm.prompt_ids(messages)], yes_no[0] + yes_no[1])[0]
+        said = float(presence.log_odds(llm, [(question, r.texts[int(np.argmax(r.rerank_scores))])])[0])
         seconds.append(time.perf_counter() - t0)
-        n_yes = len(yes_no[0])
-        return float(np.log(p[:n_yes].sum() + 1e-9) - np.log(p[n_yes:].sum() + 1e-9))
+        return said
 
     def rows(split, items, pairs, n):
         chosen = both_versions(items, pairs)[:n]
