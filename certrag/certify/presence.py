@@ -8,7 +8,7 @@ what the retrieval score cannot see: a passage on the right topic that does not 
 NQ-open calibration split (answerable questions against the same questions with every correct candidate removed);
 the question is flagged not supported when the regression's value falls below the threshold at which 10% of the
 calibration's answerable questions are flagged. The rule ships beside the reranker it was fitted with
-(certrag/<reranker>/presence-<judge>.json; made by certrag.train.presence_rule) and names its judge model.
+(certrag/<reranker>/presence-<judge>.json; fitted by certrag.train.presence_rule.fit_rule) and names its judge model.
 """
 
 from __future__ import annotations
@@ -93,32 +93,3 @@ class PresenceRule:
             return None
         found = sorted(Path(reranker_folder).glob(FILE.format(judge="*")))
         return cls.load(found[0]) if found else None
-
-
-def fit_rule(on: np.ndarray, off: np.ndarray, *, flagged: float = 0.10, **identity) -> PresenceRule:
-    """A PresenceRule from (best score, log-odds) rows of answerable (on) and off-topic (off) questions: a logistic
-    regression (standardised features, C = 1) separating them, its threshold the `flagged` quantile of the
-    answerable rows' values (so that share of them is flagged). identity: judge, weights, embedder, reranker,
-    score_transform, and fit (the record of how it was made; the rule adds what it measured on these rows)."""
-    from sklearn.linear_model import LogisticRegression
-
-    from certrag.train.factuality import auroc
-
-    on, off = np.asarray(on, dtype=np.float64), np.asarray(off, dtype=np.float64)
-    if len(on) < 10 or len(off) < 10:
-        raise ValueError(f"need at least 10 answerable and 10 off-topic rows; got {len(on)} and {len(off)}")
-    x = np.r_[on, off]
-    mean, scale = x.mean(0), x.std(0)
-    scale[scale == 0] = 1.0
-    lr = LogisticRegression(max_iter=1000).fit((x - mean) / scale, np.r_[np.ones(len(on)), np.zeros(len(off))])
-    w = lr.coef_[0] / scale
-    intercept = float(lr.intercept_[0] - (lr.coef_[0] * mean / scale).sum())
-    v_on, v_off = on @ w + intercept, off @ w + intercept
-    threshold = float(np.quantile(v_on, flagged))
-    y = np.r_[np.ones(len(on)), np.zeros(len(off))]
-    measured = {"answerable": len(on), "offtopic": len(off), "answerable_flagged": float(np.mean(v_on < threshold)),
-                "offtopic_flagged": float(np.mean(v_off < threshold)), "auroc": auroc(y, np.r_[v_on, v_off]),
-                "auroc_best_score_alone": auroc(y, x[:, 0]), "auroc_judge_alone": auroc(y, x[:, 1])}
-    fit = {**identity.pop("fit", {}), "measured_on_fit_rows": measured}
-    return PresenceRule(score_weight=float(w[0]), judge_weight=float(w[1]), intercept=intercept,
-                        threshold=threshold, fit=fit, **identity)

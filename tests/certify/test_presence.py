@@ -10,9 +10,10 @@ from helpers import Scripted
 
 pytest.importorskip("torch")
 
-from certrag.certify.presence import PresenceRule, fit_rule, log_odds  # noqa: E402
+from certrag.certify.presence import PresenceRule, log_odds  # noqa: E402
 from certrag.config import EngineConfig, RetrievalConfig  # noqa: E402
 from certrag.engine import Engine  # noqa: E402
+from certrag.train.presence_rule import fit_rule  # noqa: E402
 
 IDENTITY = {"judge": "smollm2-135m-instruct", "weights": "q8", "embedder": "e", "reranker": {"name": "r"},
             "score_transform": "rerank logit"}
