@@ -108,7 +108,8 @@ class Generator:
         self.llm = LocalLLM(model, num_threads=threads) if model else LocalLLM(num_threads=threads)
 
     def describe(self) -> dict:
-        return {"name": self.llm.name, "context_length": self.llm.context_length, "path": self.llm.path}
+        return {"name": self.llm.name, "weights": self.llm.weights, "context_length": self.llm.context_length,
+                "path": self.llm.path}
 
     def prefix_tokens(self, token_ids: list[int], text: str) -> int:
         return self.llm.prefix_tokens(token_ids, text)
@@ -233,6 +234,9 @@ class RemoteLLM:
     def __init__(self, handle, info: dict) -> None:
         self._h = handle
         self.name, self.context_length, self.path = info["name"], int(info["context_length"]), info["path"]
+        # the weight format too, so that the engine's answer-presence judge (Engine._judge_model) is this model when
+        # the rule names it, rather than a second copy loaded into the ingress
+        self.weights = info.get("weights")
         self._tokenizer = None
 
     @property

@@ -159,3 +159,20 @@ def test_judged_support_with_its_reader_not_installed_is_refused_naming_the_opti
         r = engine.retrieve("What is the capital of France?")
         with pytest.raises(ValueError, match="judge_support needs the reader absent-reader.*certrag models install"):
             engine.support(r, judge=True)
+
+
+def test_on_ray_serve_the_generators_model_judges_when_the_rule_names_it(tmp_path, leads, smollm):
+    """The Ray ingress's engine holds the model as a RemoteLLM built from the Generator's description; when the rule
+    names that model (and weight format) it judges there, and no second copy is loaded into the ingress (a 1.5B
+    reader is 3 GB there)."""
+    from certrag.scale.serving import Generator, RemoteLLM
+
+    generator = Generator(model="smollm2-135m-instruct")
+    remote = RemoteLLM(handle=None, info=generator.describe())
+    assert (remote.name, remote.weights) == (generator.llm.name, generator.llm.weights)
+    config = EngineConfig(chunker="fixed_sentence", retrieval=RetrievalConfig(candidates=6))
+    with Engine.build(leads[:10], tmp_path / "s", config, progress=False) as engine:
+        rule = PresenceRule(threshold=0.0, score_weight=1.0, judge_weight=1.0, intercept=0.0,
+                            **dict(IDENTITY, embedder=engine.embedder_name, reranker=engine.reranker_identity()))
+        engine.llm = remote
+        assert engine._judge_model(rule) is remote and not engine._judges
