@@ -1,13 +1,13 @@
 """Does the store hold the answer? A reader asked outright, beside the best retrieval score.
 
-The default certification flags a question whose best candidate scores below its threshold (Engine.support). On
-NQ-open test questions that flags 67% of off-topic questions (their answer is nowhere in the store) at 7% of
-answerable ones; the rule below, 77% at 8.5% (benchmarks/bench_abstention.py, RESULTS.md). A reader asked "does the passage state the answer?" about the best candidate adds
-what the retrieval score cannot see: a passage on the right topic that does not hold the answer. Its log-odds of
-"yes" against "no" (one prefill, no generation) and the best score go into a logistic regression fitted on the
-NQ-open calibration split (answerable questions against the same questions with every correct candidate removed);
-the question is flagged not supported when the regression's value falls below the threshold at which 10% of the
-calibration's answerable questions are flagged. The rule ships beside the reranker it was fitted with
+The default certification flags a question whose best candidate scores below its threshold (Engine.support). On NQ-open
+test questions that flags 67% of off-topic questions (their answer is nowhere in the store) at 7% of answerable ones;
+the rule below, 77% at 8.5% (benchmarks/bench_abstention.py, RESULTS.md). A reader asked "does the passage state the
+answer?" about the best candidate adds what the retrieval score cannot see: a passage on the right topic that does not
+hold the answer. Its log-odds of "yes" against "no" (one prefill, no generation) and the best score go into a logistic
+regression fitted on the NQ-open calibration split (answerable questions against the same questions with every correct
+candidate removed); the question is flagged not supported when the regression's value falls below the threshold at which
+10% of the calibration's answerable questions are flagged. The rule ships beside the reranker it was fitted with
 (certrag/<reranker>/presence-<judge>.json; fitted by certrag.train.presence_rule.fit_rule) and names its judge model.
 """
 
